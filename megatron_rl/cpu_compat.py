@@ -1,0 +1,150 @@
+"""Make Megatron-Core 0.16 run on a CPU-only machine (gloo backend).
+
+Megatron-Core assumes CUDA throughout. Each patch below exists because the named code path failed on a
+CPU machine without it (see shared/notes/megatron-core-cpu.md). `apply()` installs them all once, and only
+when CUDA is absent: on a GPU nothing here runs and Megatron-Core is used as shipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # An integer device means a CUDA ordinal (what torch.cuda.current_device() returns).
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Redirects tensors that Megatron-Core places on "cuda" to the CPU.
+
+    About 60 places hard-code `device="cuda"` (for example the pipeline schedules' `torch.zeros([],
+    device="cuda")`) and many call `.cuda()`; rewriting each call here is cheaper (0-3 ms per step) and
+    safer than patching each site.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # clip_grads.py asserts `param.grad.type() == 'torch.cuda.FloatTensor'`.
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda_device(a) and not isinstance(a, int) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    # ~175 call sites (e.g. GlobalMemoryBuffer in attention) ask for the current CUDA device; ordinal 0 is
+    # then mapped to the CPU by _CudaToCpu.
+    cuda.current_device = lambda: 0
+    cuda.device_count = lambda: 0
+    # Megatron seeds and forks a "CUDA" generator (model_parallel_cuda_manual_seed, the RNG tracker). The
+    # CPU default generator stands in. Not torch.manual_seed: it calls torch.cuda.manual_seed_all, which
+    # would recurse into these patches.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    cuda.get_rng_state = lambda device="cuda": torch.default_generator.get_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.default_generator.set_state(state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    # Pipeline p2p and inference paths synchronize and create streams/events: no-ops on the CPU.
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+class _NullStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NullEvent()
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # The RNG tracker reads and writes CUDA generator states through these module-level helpers.
+    mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.default_generator.get_state()
+    )
+    mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.default_generator.set_state(new_state)
+    )
+
+    with contextlib.suppress(ImportError):
+        from megatron.core.inference import communication_utils
+
+        # Inference pipeline broadcasts assert `tensor.is_cuda`.
+        communication_utils._is_cuda = lambda tensor: None
+
+
+def apply() -> bool:
+    """Install the CPU patches if CUDA is absent. Returns True when patches are active. Idempotent."""
+    global _applied
+    if _applied:
+        return True
+    if torch.cuda.is_available():
+        return False
+    _patch_torch_cuda()
+    _patch_megatron()
+    _CudaToCpu().__enter__()  # stays active for the life of the process (main thread)
+    _applied = True
+    return True
+
+
+def is_applied() -> bool:
+    return _applied
+
+
+def device() -> torch.device:
+    """The device trainer tensors live on: the current CUDA device, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,143 @@
+"""The policy as Megatron-Core trains it: GPTModel in DDP, Megatron's optimizer, and the micro-batch
+runner over Megatron's pipeline schedules (`get_forward_backward_func`).
+
+Loss normalization is exact across micro-batches and data-parallel ranks: the caller's `loss_fn` returns
+a SUM over its tokens already divided by the global normalizer (for example the number of valid tokens in
+the whole global batch); the runner multiplies by the number of micro-batches and the DP size, which is
+exactly what Megatron's schedule (divides by micro-batches) and DDP (averages over DP) then undo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+import torch
+
+from megatron_rl.models.spec import ModelSpec
+from megatron_rl.trainer.model import build_gpt_model, transformer_config
+
+
+@dataclasses.dataclass
+class Policy:
+    spec: ModelSpec
+    model: Any  # megatron DistributedDataParallel around GPTModel
+    optimizer: Any  # megatron MegatronOptimizer
+    config: Any  # TransformerConfig
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The unwrapped GPTModel (this rank's shard)."""
+        return self.model.module
+
+
+def build_policy(
+    spec: ModelSpec,
+    *,
+    lr: float = 1e-5,
+    optimizer: str = "adam",
+    weight_decay: float = 0.0,
+    clip_grad: float = 1.0,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    adam_eps: float = 1e-8,
+    bf16: bool = False,
+    use_distributed_optimizer: bool = False,
+    make_vocab_size_divisible_by: int = 128,
+    init_weights: Callable[[torch.nn.Module], None] | None = None,
+) -> Policy:
+    """Build this rank's model shard, wrap it in Megatron DDP and create Megatron's optimizer.
+
+    `init_weights(module)` runs before the DDP wrapper copies parameters into its buffers (e.g. loading HF
+    weights).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = transformer_config(spec, params_dtype=dtype)
+    module = build_gpt_model(spec, config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    if init_weights is not None:
+        init_weights(module)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config, ddp_config, module)
+    opt_config = OptimizerConfig(
+        optimizer=optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16,
+        params_dtype=dtype, adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    opt = get_megatron_optimizer(opt_config, [model])
+    config.grad_scale_func = opt.scale_loss if bf16 else None
+    config.finalize_model_grads_func = _finalize_model_grads
+    config.no_sync_func = model.no_sync
+    return Policy(spec, model, opt, config)
+
+
+def _finalize_model_grads(model, num_tokens=None, **kwargs):
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, num_tokens, **kwargs)
+
+
+def run_microbatches(
+    policy: Policy,
+    microbatches: list[dict[str, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]],
+    *,
+    forward_only: bool = False,
+) -> list[dict[str, Any]]:
+    """Run forward (and backward) over equal-shape micro-batches with Megatron's schedule.
+
+    Each micro-batch holds `input_ids` [b, s] and whatever `loss_fn` needs. `loss_fn(logits, mb)` gets this
+    rank's vocab-parallel logits [b, s, V/TP] on the last pipeline stage and returns (loss, metrics) with
+    `loss` normalized globally (see the module docstring). Returns the metrics of each micro-batch on the
+    last stage (empty elsewhere).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    shapes = {tuple(mb["input_ids"].shape) for mb in microbatches}
+    if len(shapes) != 1:
+        raise ValueError(f"micro-batches must share one shape for the pipeline schedule, got {sorted(shapes)}")
+    (mbs, seq_length), = shapes
+    num_mb = len(microbatches)
+    scale = num_mb * ps.get_data_parallel_world_size()
+
+    def forward_step(data_iterator: Iterable, model):
+        mb = next(data_iterator)
+        ids = mb["input_ids"]
+        position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        logits = model(ids, position_ids, None)
+
+        def loss_func(output):
+            loss, metrics = loss_fn(output, mb)
+            return loss * scale, metrics
+
+        return logits, loss_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[policy.model],
+        num_microbatches=num_mb,
+        seq_length=seq_length,
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+    )
+
+
+def optimizer_step(policy: Policy) -> dict[str, float]:
+    """Apply the accumulated gradients; zero the grad buffers for the next step."""
+    success, grad_norm, _ = policy.optimizer.step()
+    policy.model.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    return {"update_successful": bool(success), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
+
+
+def gather_vocab_parallel(logits: torch.Tensor) -> torch.Tensor:
+    """All-gather TP vocab shards of the last dim (for tests and evaluation; training never does this)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits.contiguous())

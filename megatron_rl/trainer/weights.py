@@ -1,0 +1,68 @@
+"""Move HF-named weights into and out of this rank's Megatron-Core model, through models.layout."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from megatron_rl.models import layout as L
+from megatron_rl.models.spec import ModelSpec
+
+
+def rank_layout(spec: ModelSpec, make_vocab_size_divisible_by: int = 128,
+                transformer_engine: bool = False) -> dict[str, L.ShardLayout]:
+    """The layout of this rank's parameters, from Megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    layout = L.MegatronLayout(
+        ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+        make_vocab_size_divisible_by, transformer_engine,
+    )
+    return L.megatron_shards(spec, layout, ps.get_tensor_model_parallel_rank(),
+                             ps.get_pipeline_model_parallel_rank())
+
+
+def load_hf_weights(model: torch.nn.Module, spec: ModelSpec,
+                    get_slice: Callable[[L.Segment, int], torch.Tensor] | Mapping[str, torch.Tensor],
+                    **layout_kwargs) -> None:
+    """Copy HF weights (a mapping, or a `get_slice` reader) into this rank's shard of `model`."""
+    if isinstance(get_slice, Mapping):
+        get_slice = L.slicer(get_slice)
+    shards = rank_layout(spec, **layout_kwargs)
+    params = dict(model.named_parameters())
+    unexpected = sorted(set(params) - set(shards))
+    missing = sorted(set(shards) - set(params))
+    if unexpected or missing:
+        raise ValueError(f"model parameters do not match the layout: unexpected {unexpected}, missing {missing}")
+    with torch.no_grad():
+        for name, shard in shards.items():
+            params[name].copy_(L.assemble(shard, get_slice, dtype=params[name].dtype))
+
+
+def merge_to_hf(spec: ModelSpec, layout: L.MegatronLayout,
+                shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full HF tensors from the parameters of every (tp_rank, pp_rank) of one model replica."""
+    shapes = L.hf_shapes(spec)
+    hf: dict[str, torch.Tensor] = {}
+    for (tp_rank, pp_rank), params in shards.items():
+        for name, shard in L.megatron_shards(spec, layout, tp_rank, pp_rank).items():
+            if name not in params:
+                raise KeyError(f"tensor {name!r} of TP rank {tp_rank}, PP rank {pp_rank} is missing")
+            if name == "output_layer.weight" and spec.tie_word_embeddings:
+                continue  # the last stage's copy of the tied embedding
+            L.scatter(shard, params[name], hf, shapes)
+    missing = sorted(set(shapes) - set(hf))
+    if missing:
+        raise KeyError(f"no shard provides HF tensor(s) {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    return hf
+
+
+def random_hf_weights(spec: ModelSpec, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
+    """Deterministic random HF-named fp32 weights (norm weights near 1), for tests and benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in L.hf_shapes(spec).items():
+        t = torch.randn(shape, generator=g) * std
+        out[name] = t + 1.0 if name.endswith("norm.weight") else t
+    return out
