@@ -1,0 +1,43 @@
+"""Argument checks shared by the algorithm functions: every error names the offending argument."""
+
+from __future__ import annotations
+
+import torch
+
+
+def float_tensor(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {type(x).__name__}"
+                         f"{'' if not isinstance(x, torch.Tensor) else ' of dtype ' + str(x.dtype)}")
+    return x
+
+
+def bool_mask(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bool:
+        raise ValueError(f"{name} must be a torch.bool tensor, got "
+                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    return x
+
+
+def same_shape(reference_name: str, reference: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, x in others.items():
+        if tuple(x.shape) != tuple(reference.shape):
+            raise ValueError(f"{name} has shape {tuple(x.shape)} but {reference_name} has shape {tuple(reference.shape)}")
+
+
+def finite_where(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    bad = ~torch.isfinite(x)
+    if mask is not None:
+        bad = bad & mask
+    if bad.any():
+        raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) where it is used")
+
+
+def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-sequence advantages [B] broadcast to tokens [B, T]; per-token [B, T] pass through."""
+    float_tensor("advantages", advantages)
+    if advantages.dim() == 1 and advantages.shape[0] == like.shape[0]:
+        return advantages.unsqueeze(-1).expand_as(like)
+    if tuple(advantages.shape) == tuple(like.shape):
+        return advantages
+    raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected ({like.shape[0]},) or {tuple(like.shape)}")

@@ -1,0 +1,58 @@
+"""Off-policy diagnostics per batch (the seed chapter's list): a version gap is not a distribution gap,
+so report the distance between behavior and current policy on the tokens actually trained on."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Iterable
+
+import torch
+
+
+def offpolicy_diagnostics(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+) -> dict[str, float]:
+    """KL(mu || pi) on action tokens, log-ratio percentiles, clipped fractions, effective sample size."""
+    valid = loss_mask
+    n = int(valid.sum())
+    if n == 0:
+        return {"tokens": 0}
+    log_ratio = (logprobs.detach() - behavior_logprobs)[valid].double()
+    log_ratio = log_ratio.clamp(-50.0, 50.0)  # keeps exp finite for the KL estimate and ESS
+    ratio = log_ratio.exp()
+    abs_lr = log_ratio.abs()
+    q = torch.quantile(abs_lr, torch.tensor([0.5, 0.95, 0.99], dtype=torch.float64)) if n > 1 else abs_lr.repeat(3)
+    out = {
+        "tokens": n,
+        # E_mu[log mu - log pi] with the k3 estimator (samples come from mu): ratio - 1 - log ratio >= 0.
+        "kl_behavior_current": float((ratio - 1 - log_ratio).mean()),
+        "log_ratio_abs_p50": float(q[0]),
+        "log_ratio_abs_p95": float(q[1]),
+        "log_ratio_abs_p99": float(q[2]),
+        "log_ratio_abs_max": float(abs_lr.max()),
+        "ratio_mean": float(ratio.mean()),
+        # Kish effective sample size of the importance weights, as a fraction of the token count.
+        "ess_fraction": float(ratio.sum() ** 2 / (n * (ratio ** 2).sum())),
+    }
+    if clip_high is not None:
+        out["clip_high_fraction"] = float((ratio > clip_high).double().mean())
+    if clip_low is not None:
+        out["clip_low_fraction"] = float((ratio < clip_low).double().mean())
+    return out
+
+
+def lag_histogram(trainer_version: int, behavior_versions: Iterable[int]) -> dict[int, int]:
+    """How many samples have each lag (trainer version minus behavior version), in steps."""
+    return dict(sorted(Counter(trainer_version - v for v in behavior_versions).items()))
+
+
+def lag_summary(histogram: dict[int, int]) -> dict[str, float]:
+    total = sum(histogram.values())
+    if not total:
+        return {"lag_mean": math.nan, "lag_max": math.nan}
+    return {"lag_mean": sum(k * v for k, v in histogram.items()) / total, "lag_max": float(max(histogram))}
