@@ -1,0 +1,330 @@
+"""HF <-> Megatron checkpoint conversion, streamed tensor by tensor through `models.layout`.
+
+A Megatron checkpoint directory written here holds `megatron_rl.json` (the HF config, the layout and the
+format) and the weights in one of two formats:
+
+- `safetensors` (default): one file per model-parallel rank, `mp_rank_{TP:02d}_{PP:03d}.safetensors`, with
+  Megatron's local parameter names and fused layouts. Written and read one tensor at a time.
+- `torch_dist`: Megatron-Core's distributed checkpoint (`dist_checkpointing`, directory `torch_dist/`),
+  written by TP x PP real ranks; any TP/PP layout can load it.
+
+`MegatronCheckpoint` serves any HF tensor slice out of the per-rank files (the segments of the layout say
+where each HF row lives), so exporting to HF and loading at another TP/PP are the same operation.
+Directories are written under a temporary name and renamed when complete: an interrupted conversion never
+leaves a directory that looks valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
+import torch
+
+from megatron_rl.models import layout as L
+from megatron_rl.models.safetensors_io import HFCheckpoint, auxiliary_files, write_streaming
+from megatron_rl.models.spec import ModelSpec
+
+META_FILE = "megatron_rl.json"
+FORMATS = ("safetensors", "torch_dist")
+
+
+def rank_file(tp_rank: int, pp_rank: int) -> str:
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}.safetensors"
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str, overwrite: bool = False) -> Iterator[str]:
+    """Yield a temporary sibling directory that becomes `path` only if the block completes."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"--save {path!r} already exists (pass --overwrite to replace it)")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".partial-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(path):
+        old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
+        os.replace(path, os.path.join(old, "x"))
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+
+
+def validate_hf_checkpoint(spec: ModelSpec, ckpt: HFCheckpoint) -> torch.dtype:
+    """Every tensor the spec needs is present with the right shape, and there is nothing unexplained.
+    Returns the checkpoint's dtype."""
+    expected = L.hf_shapes(spec)
+    present = set(ckpt.keys())
+    if spec.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some tied checkpoints still store the alias
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise ValueError(f"HF checkpoint {ckpt.directory!r} is missing tensor {missing[0]!r}"
+                         f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+    unexpected = sorted(n for n in present - set(expected) if not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"HF checkpoint {ckpt.directory!r} has tensor {unexpected[0]!r} that model "
+                         f"{spec.name!r} does not use")
+    for name, shape in expected.items():
+        if ckpt.shape(name) != shape:
+            raise ValueError(f"HF tensor {name!r} has shape {ckpt.shape(name)}, config.json implies {shape}")
+    dtypes = {ckpt.dtype(n) for n in expected}
+    if len(dtypes) != 1:
+        raise ValueError(f"HF checkpoint mixes dtypes {sorted(map(str, dtypes))}")
+    return dtypes.pop()
+
+
+# ---- HF -> Megatron ---------------------------------------------------------------------------------------------
+
+def hf_to_megatron(hf_dir: str, save: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                   megatron_format: str = "safetensors", make_vocab_size_divisible_by: int = 128,
+                   overwrite: bool = False, progress: bool = True) -> dict:
+    if megatron_format not in FORMATS:
+        raise ValueError(f"--megatron-format {megatron_format!r}: choose one of {FORMATS}")
+    ckpt = HFCheckpoint(hf_dir)
+    spec = ModelSpec.from_hf_config(ckpt.config, name=os.path.basename(os.path.normpath(hf_dir)))
+    layout = L.MegatronLayout(tensor_parallel_size, pipeline_parallel_size, make_vocab_size_divisible_by)
+    layout.validate(spec)
+    dtype = validate_hf_checkpoint(spec, ckpt)
+    meta = {
+        "format": megatron_format, "hf_config": ckpt.config, "dtype": str(dtype).removeprefix("torch."),
+        "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+        "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "transformer_engine": False,
+    }
+    with atomic_directory(save, overwrite) as out:
+        if megatron_format == "safetensors":
+            _write_rank_files(spec, layout, ckpt.get_slice, dtype, out, progress)
+        else:
+            from megatron_rl.launch import run_on_ranks
+
+            run_on_ranks(_save_torch_dist_rank, tensor_parallel_size * pipeline_parallel_size, spec, layout,
+                         hf_dir, os.path.join(out, "torch_dist"), dtype, timeout_s=3600)
+        for name in auxiliary_files(hf_dir):
+            shutil.copy2(os.path.join(hf_dir, name), os.path.join(out, name))
+        with open(os.path.join(out, META_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+    return meta
+
+
+def _write_rank_files(spec, layout, get_slice, dtype, out, progress):
+    tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    shards = {(t, p): L.megatron_shards(spec, layout, t, p) for p in range(pp) for t in range(tp)}
+    bar = _progress(sum(len(s) for s in shards.values()), "HF -> Megatron", progress)
+    for (t, p), params in shards.items():
+        entries = [(name, s.shape, dtype) for name, s in params.items()]
+        write_streaming(os.path.join(out, rank_file(t, p)), entries,
+                        lambda name: L.assemble(params[name], get_slice, dtype=dtype),
+                        on_tensor=lambda _: bar.update())
+    bar.close()
+
+
+def _save_torch_dist_rank(spec, layout, hf_dir, directory, dtype):
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl import parallel
+    from megatron_rl.trainer.model import build_gpt_model, transformer_config
+    from megatron_rl.trainer.weights import load_hf_weights
+
+    parallel.initialize(parallel.ParallelLayout(layout.tensor_parallel_size, layout.pipeline_parallel_size), spec)
+    model = build_gpt_model(spec, transformer_config(spec, params_dtype=dtype),
+                            make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by)
+    load_hf_weights(model, spec, HFCheckpoint(hf_dir).get_slice,
+                    make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by)
+    os.makedirs(directory, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
+    parallel.destroy()
+
+
+# ---- reading Megatron checkpoints --------------------------------------------------------------------------------
+
+class MegatronCheckpoint:
+    """A Megatron checkpoint written by this module, read as HF slices (any layout can be served)."""
+
+    def __init__(self, directory: str):
+        meta_path = os.path.join(directory, META_FILE)
+        if not os.path.exists(meta_path):
+            raise FileNotFoundError(f"--load {directory!r} is not a megatron-rl checkpoint ({META_FILE} missing)")
+        with open(meta_path) as f:
+            self.meta = json.load(f)
+        for field in ("format", "hf_config", "tensor_parallel_size", "pipeline_parallel_size", "dtype"):
+            if field not in self.meta:
+                raise ValueError(f"{meta_path}: field {field!r} is missing")
+        self.directory = directory
+        self.spec = ModelSpec.from_hf_config(self.meta["hf_config"])
+        self.layout = L.MegatronLayout(self.meta["tensor_parallel_size"], self.meta["pipeline_parallel_size"],
+                                       self.meta.get("make_vocab_size_divisible_by", 128),
+                                       self.meta.get("transformer_engine", False))
+        self.dtype = getattr(torch, self.meta["dtype"])
+        self._shards_dir = directory
+        self._tmp: str | None = None
+        if self.meta["format"] == "torch_dist":
+            self._shards_dir = self._torch_dist_to_rank_files()
+        self._index = self._build_index()
+        self._handles: dict[str, object] = {}
+
+    def _torch_dist_to_rank_files(self) -> str:
+        from megatron_rl.launch import run_on_ranks
+
+        self._tmp = tempfile.mkdtemp(prefix="megatron_rl_export_")
+        run_on_ranks(_load_torch_dist_rank, self.layout.tensor_parallel_size * self.layout.pipeline_parallel_size,
+                     self.spec, self.layout, os.path.join(self.directory, "torch_dist"), self._tmp, self.dtype,
+                     timeout_s=3600)
+        return self._tmp
+
+    def close(self) -> None:
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def _build_index(self):
+        """hf_name -> [(hf_start, hf_stop, file, megatron_name, dim, offset_in_shard)], sorted by start."""
+        from safetensors import safe_open
+
+        index: dict[str, list] = {}
+        tp, pp = self.layout.tensor_parallel_size, self.layout.pipeline_parallel_size
+        for p in range(pp):
+            for t in range(tp):
+                path = os.path.join(self._shards_dir, rank_file(t, p))
+                if not os.path.exists(path):
+                    raise FileNotFoundError(f"checkpoint file {path!r} is missing")
+                shards = L.megatron_shards(self.spec, self.layout, t, p)
+                with safe_open(path, "pt") as f:
+                    names = set(f.keys())
+                    for name, shard in shards.items():
+                        if name not in names:
+                            raise ValueError(f"{path}: tensor {name!r} is missing")
+                        shape = tuple(f.get_slice(name).get_shape())
+                        if shape != shard.shape:
+                            raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {shard.shape}")
+                        offset = 0
+                        for seg in shard.segments:
+                            if seg.hf_name is not None:
+                                index.setdefault(seg.hf_name, []).append(
+                                    (seg.start, seg.stop, path, name, shard.dim, offset))
+                            offset += seg.length
+        for pieces in index.values():
+            pieces.sort(key=lambda x: x[0])
+        return index
+
+    def _handle(self, path):
+        from safetensors import safe_open
+
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, "pt")
+        return self._handles[path]
+
+    def read_full(self, hf_name: str) -> torch.Tensor:
+        """One whole HF tensor, assembled from the ranks that hold its pieces."""
+        pieces = self._index.get(hf_name)
+        if not pieces:
+            raise KeyError(f"checkpoint {self.directory!r} holds no piece of {hf_name!r}")
+        shape = L.hf_shapes(self.spec)[hf_name]
+        dim = pieces[0][4] if len(shape) > 1 else 0
+        return self.get_slice(L.Segment(hf_name, 0, shape[dim]), dim)
+
+    def get_slice(self, seg: L.Segment, dim: int) -> torch.Tensor:
+        """HF tensor `seg.hf_name`, rows [start, stop) along `dim`, read from whichever ranks hold them."""
+        parts, cursor = [], seg.start
+        for start, stop, path, name, sdim, offset in self._index.get(seg.hf_name, []):
+            if stop <= cursor or start > cursor:
+                continue  # not overlapping the next needed row (or a replica of rows already read)
+            take = min(stop, seg.stop) - cursor
+            sl = self._handle(path).get_slice(name)
+            lo = offset + cursor - start
+            rank1 = len(sl.get_shape()) == 1
+            parts.append(sl[lo:lo + take] if rank1 or sdim == 0 else sl[:, lo:lo + take])
+            cursor += take
+            if cursor >= seg.stop:
+                break
+        if parts and parts[0].dim() > 1 and dim != sdim:
+            raise ValueError(f"{seg.hf_name!r} is split along dim {sdim} in the checkpoint, asked along dim {dim}")
+        if cursor < seg.stop:
+            raise KeyError(f"checkpoint {self.directory!r} does not hold rows {cursor}:{seg.stop} of {seg.hf_name!r}")
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts, dim if parts[0].dim() > 1 else 0)
+
+
+def _load_torch_dist_rank(spec, layout, directory, out_dir, dtype):
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl import parallel
+    from megatron_rl.trainer.model import build_gpt_model, transformer_config
+
+    parallel.initialize(parallel.ParallelLayout(layout.tensor_parallel_size, layout.pipeline_parallel_size), spec)
+    model = build_gpt_model(spec, transformer_config(spec, params_dtype=dtype),
+                            make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by)
+    state = dist_checkpointing.load(model.sharded_state_dict(), directory)
+    model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters())
+    entries = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
+    write_streaming(os.path.join(out_dir, rank_file(ps.get_tensor_model_parallel_rank(),
+                                                    ps.get_pipeline_model_parallel_rank())),
+                    entries, lambda n: params[n].detach())
+    parallel.destroy()
+
+
+# ---- Megatron -> HF ---------------------------------------------------------------------------------------------
+
+def megatron_to_hf(load: str, save: str, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
+                   progress: bool = True) -> dict:
+    ckpt = MegatronCheckpoint(load)
+    try:
+        spec, dtype = ckpt.spec, ckpt.dtype
+        shapes = L.hf_shapes(spec)
+        files = _plan_hf_files(shapes, dtype, max_shard_bytes)
+        bar = _progress(len(shapes), "Megatron -> HF", progress)
+        with atomic_directory(save, overwrite) as out:
+            weight_map = {}
+            for fname, names in files:
+                entries = [(n, shapes[n], dtype) for n in names]
+                write_streaming(os.path.join(out, fname), entries,
+                                lambda n: ckpt.read_full(n).to(dtype),
+                                metadata={"format": "pt"}, on_tensor=lambda _: bar.update())
+                weight_map.update({n: fname for n in names})
+            if len(files) > 1:
+                total = sum(torch.Size(s).numel() for s in shapes.values()) * torch.empty((), dtype=dtype).element_size()
+                with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+                    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            with open(os.path.join(out, "config.json"), "w") as f:
+                json.dump(ckpt.meta["hf_config"], f, indent=2)
+            for name in auxiliary_files(load):
+                shutil.copy2(os.path.join(load, name), os.path.join(out, name))
+        bar.close()
+        return {"tensors": len(shapes), "files": len(files)}
+    finally:
+        ckpt.close()
+
+
+def _plan_hf_files(shapes, dtype, max_shard_bytes):
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    groups, current, size = [], [], 0
+    for name, shape in shapes.items():
+        nbytes = torch.Size(shape).numel() * itemsize
+        if current and size + nbytes > max_shard_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    groups.append(current)
+    if len(groups) == 1:
+        return [("model.safetensors", groups[0])]
+    n = len(groups)
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]

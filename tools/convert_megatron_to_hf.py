@@ -1,0 +1,40 @@
+#!/usr/bin/env python
+"""Convert a Megatron-Core checkpoint written by megatron-rl (any TP x PP, either format) back to HF.
+
+    python tools/convert_megatron_to_hf.py --load MEGATRON --save HF [--max-shard-size-gb 5]
+
+The output loads with `transformers.AutoModelForCausalLM.from_pretrained(HF)`. Streams tensor by tensor.
+"""
+
+import argparse
+import resource
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="Megatron checkpoint directory")
+    p.add_argument("--save", "--hf-dir", dest="save", required=True, help="output HF directory")
+    p.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    p.add_argument("--overwrite", action="store_true", help="replace --save if it exists")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    from megatron_rl.models.convert import megatron_to_hf
+
+    start = time.time()
+    try:
+        info = megatron_to_hf(args.load, args.save, int(args.max_shard_size_gb * 2**30), args.overwrite,
+                              not args.no_progress)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"wrote {args.save}: {info['tensors']} tensors in {info['files']} file(s) in "
+          f"{time.time() - start:.1f} s; peak RSS {peak:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
