@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from megatron_rl.models import layout as L
-from megatron_rl.models.safetensors_io import HFCheckpoint, auxiliary_files, write_streaming
+from megatron_rl.models.safetensors_io import HFCheckpoint, SafetensorsFile, auxiliary_files, write_streaming
 from megatron_rl.models.spec import ModelSpec
 
 META_FILE = "megatron_rl.json"
@@ -176,7 +176,6 @@ class MegatronCheckpoint:
         if self.meta["format"] == "torch_dist":
             self._shards_dir = self._torch_dist_to_rank_files()
         self._index = self._build_index()
-        self._handles: dict[str, object] = {}
 
     def _torch_dist_to_rank_files(self) -> str:
         from megatron_rl.launch import run_on_ranks
@@ -194,8 +193,6 @@ class MegatronCheckpoint:
 
     def _build_index(self):
         """hf_name -> [(hf_start, hf_stop, file, megatron_name, dim, offset_in_shard)], sorted by start."""
-        from safetensors import safe_open
-
         index: dict[str, list] = {}
         tp, pp = self.layout.tensor_parallel_size, self.layout.pipeline_parallel_size
         for p in range(pp):
@@ -204,30 +201,21 @@ class MegatronCheckpoint:
                 if not os.path.exists(path):
                     raise FileNotFoundError(f"checkpoint file {path!r} is missing")
                 shards = L.megatron_shards(self.spec, self.layout, t, p)
-                with safe_open(path, "pt") as f:
-                    names = set(f.keys())
-                    for name, shard in shards.items():
-                        if name not in names:
-                            raise ValueError(f"{path}: tensor {name!r} is missing")
-                        shape = tuple(f.get_slice(name).get_shape())
-                        if shape != shard.shape:
-                            raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {shard.shape}")
-                        offset = 0
-                        for seg in shard.segments:
-                            if seg.hf_name is not None:
-                                index.setdefault(seg.hf_name, []).append(
-                                    (seg.start, seg.stop, path, name, shard.dim, offset))
-                            offset += seg.length
+                f = SafetensorsFile(path)
+                for name, shard in shards.items():
+                    if name not in f.entries:
+                        raise ValueError(f"{path}: tensor {name!r} is missing")
+                    shape = f.entries[name][0]
+                    if shape != shard.shape:
+                        raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {shard.shape}")
+                    offset = 0
+                    for seg in shard.segments:
+                        if seg.hf_name is not None:
+                            index.setdefault(seg.hf_name, []).append((seg.start, seg.stop, f, name, shard.dim, offset))
+                        offset += seg.length
         for pieces in index.values():
             pieces.sort(key=lambda x: x[0])
         return index
-
-    def _handle(self, path):
-        from safetensors import safe_open
-
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, "pt")
-        return self._handles[path]
 
     def read_full(self, hf_name: str) -> torch.Tensor:
         """One whole HF tensor, assembled from the ranks that hold its pieces."""
@@ -241,14 +229,12 @@ class MegatronCheckpoint:
     def get_slice(self, seg: L.Segment, dim: int) -> torch.Tensor:
         """HF tensor `seg.hf_name`, rows [start, stop) along `dim`, read from whichever ranks hold them."""
         parts, cursor = [], seg.start
-        for start, stop, path, name, sdim, offset in self._index.get(seg.hf_name, []):
+        for start, stop, file, name, sdim, offset in self._index.get(seg.hf_name, []):
             if stop <= cursor or start > cursor:
                 continue  # not overlapping the next needed row (or a replica of rows already read)
             take = min(stop, seg.stop) - cursor
-            sl = self._handle(path).get_slice(name)
             lo = offset + cursor - start
-            rank1 = len(sl.get_shape()) == 1
-            parts.append(sl[lo:lo + take] if rank1 or sdim == 0 else sl[:, lo:lo + take])
+            parts.append(file.read(name, sdim, lo, lo + take))
             cursor += take
             if cursor >= seg.stop:
                 break

@@ -2,7 +2,8 @@
 
 `safetensors.torch.save_file` needs every tensor in memory at once; the writer here lays out the header
 from (name, shape, dtype) first and then writes each tensor as it is produced, so converting a checkpoint
-holds one tensor at a time. Reading uses `safe_open(...).get_slice`, which reads only the requested rows.
+holds one tensor at a time. Reading uses positioned reads of just the requested rows (no mmap, whose pages
+would stay resident while a handle is open).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 from typing import Callable, Iterable
 
 import torch
-from safetensors import safe_open
 
 from megatron_rl.models.layout import Segment
 
@@ -50,10 +50,65 @@ def write_streaming(path: str, entries: list[tuple[str, tuple[int, ...], torch.d
             if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
                 raise ValueError(f"tensor {name!r}: produced {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"expected {tuple(shape)} {dtype}")
-            f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            if tensor.numel():
+                f.write(tensor.detach().contiguous().view(torch.uint8).numpy().data)
             if on_tensor:
                 on_tensor(name)
     return offset
+
+
+class SafetensorsFile:
+    """Reads tensors or row/column ranges of a .safetensors file with positioned reads (no mmap), so
+    that what was read is freed when the caller drops it: converting stays at one tensor in memory."""
+
+    _CHUNK_BYTES = 64 * 2**20
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self._data_start = 8 + n
+        self.entries = {
+            name: (tuple(e["shape"]), dtype_from_name(e["dtype"]), e["data_offsets"][0]) for name, e in header.items()
+        }
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def _read(self, fd: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = torch.Size(shape).numel()
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        buf = bytearray(nbytes)
+        view, got = memoryview(buf), 0
+        while got < nbytes:
+            n = os.preadv(fd, [view[got:]], self._data_start + offset + got)
+            if n <= 0:
+                raise IOError(f"{self.path}: file ends before the data of a tensor")
+            got += n
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+
+    def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Tensor `name`, restricted to [start, stop) along `dim` (0 or 1)."""
+        shape, dtype, offset = self.entries[name]
+        stop = shape[dim] if stop is None else stop
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if dim == 0 or len(shape) == 1:
+                row = torch.Size(shape[1:]).numel() * itemsize
+                return self._read(fd, offset + start * row, (stop - start, *shape[1:]), dtype)
+            # Columns [start, stop) of a 2-D tensor: read whole rows in bounded chunks and keep the columns.
+            rows, cols = shape
+            out = torch.empty((rows, stop - start), dtype=dtype)
+            step = max(1, self._CHUNK_BYTES // (cols * itemsize))
+            for r in range(0, rows, step):
+                block = self._read(fd, offset + r * cols * itemsize, (min(step, rows - r), cols), dtype)
+                out[r:r + block.shape[0]] = block[:, start:stop]
+            return out
+        finally:
+            os.close(fd)
 
 
 class HFCheckpoint:
@@ -71,42 +126,28 @@ class HFCheckpoint:
         files = sorted(p for p in os.listdir(directory) if p.endswith(".safetensors"))
         if not files:
             raise FileNotFoundError(f"no .safetensors weight files in {directory!r} (.bin checkpoints are not read)")
-        self._file_of: dict[str, str] = {}
-        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._file_of: dict[str, SafetensorsFile] = {}
         for name in files:
-            path = os.path.join(directory, name)
-            with safe_open(path, "pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    self._file_of[key] = path
-                    self._meta[key] = (tuple(sl.get_shape()), dtype_from_name(sl.get_dtype()))
-        self._handles: dict[str, object] = {}
+            st = SafetensorsFile(os.path.join(directory, name))
+            for key in st.keys():
+                self._file_of[key] = st
 
     def keys(self) -> list[str]:
-        return list(self._meta)
+        return list(self._file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._meta[name][0]
+        return self._file_of[name].entries[name][0]
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._meta[name][1]
-
-    def _handle(self, name: str):
-        path = self._file_of[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, "pt")
-        return self._handles[path]
+        return self._file_of[name].entries[name][1]
 
     def get_slice(self, seg: Segment, dim: int) -> torch.Tensor:
-        if seg.hf_name not in self._meta:
+        if seg.hf_name not in self._file_of:
             raise KeyError(f"HF tensor {seg.hf_name!r} is missing from {self.directory!r}")
-        sl = self._handle(seg.hf_name).get_slice(seg.hf_name)
-        if len(self.shape(seg.hf_name)) == 1 or dim == 0:
-            return sl[seg.start:seg.stop]
-        return sl[:, seg.start:seg.stop]
+        return self._file_of[seg.hf_name].read(seg.hf_name, dim, seg.start, seg.stop)
 
     def read(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        return self._file_of[name].read(name)
 
 
 def auxiliary_files(directory: str) -> Iterable[str]:
