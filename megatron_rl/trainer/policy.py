@@ -35,6 +35,7 @@ def build_policy(
     spec: ModelSpec,
     *,
     lr: float = 1e-5,
+    min_lr: float = 0.0,
     optimizer: str = "adam",
     weight_decay: float = 0.0,
     clip_grad: float = 1.0,
@@ -64,7 +65,7 @@ def build_policy(
     )
     model = DistributedDataParallel(config, ddp_config, module)
     opt_config = OptimizerConfig(
-        optimizer=optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16,
+        optimizer=optimizer, lr=lr, min_lr=min_lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16,
         params_dtype=dtype, adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
         use_distributed_optimizer=use_distributed_optimizer,
     )

@@ -1,0 +1,206 @@
+"""The Megatron-Core policy trainer: vocab-parallel log-probs, an AIPO step that is the same under every
+parallel layout, learning direction, and checkpoints that resume under another layout.
+
+fp32 throughout. Tolerances: log-probs 1e-5 (TP changes the order of the softmax sums). Updated weights
+2e-6 after Adam steps of lr 1e-3 with adam_eps 1e-4: Adam's update is lr * g / (sqrt(v) + eps), which for
+the default eps 1e-8 is ~lr * sign(g) and turns float-reordering noise on near-zero gradients into
+differences of up to 2% of lr; with eps 1e-4 it is smooth in g, so layout-induced gradient differences
+(~1e-7 relative) move weights by < 1e-9, while a wrong normalization or sharding moves them by >= 1e-4."""
+
+import pytest
+import torch
+
+from megatron_rl import parallel
+from megatron_rl.launch import run_on_ranks
+from megatron_rl.models.layout import MegatronLayout
+from megatron_rl.models.spec import get_model_spec
+
+SPEC = get_model_spec("tiny-llama").replace(name="tiny-llama-v200", vocab_size=200)  # vocab padding at TP=2
+TEMPERATURE = 0.7
+
+
+def _batch(positive_only=False):
+    from megatron_rl.trainer.train_step import TrainBatch
+
+    g = torch.Generator().manual_seed(7)
+    lengths = [(3, 6), (5, 2), (2, 9), (4, 4)]  # (prompt, response): different total lengths
+    prompts = [torch.randint(0, SPEC.vocab_size, (p,), generator=g).tolist() for p, _ in lengths]
+    responses = [torch.randint(0, SPEC.vocab_size, (r,), generator=g).tolist() for _, r in lengths]
+    behavior = [(-5.3 + 0.8 * torch.randn(r, generator=g)).tolist() for _, r in lengths]
+    adv = [1.0, 0.5, 2.0, 1.5] if positive_only else [1.0, -0.5, 0.25, -1.0]
+    masks = [[True] * r for _, r in lengths]
+    masks[2][3:5] = [False, False]  # observation tokens inside a response
+    return TrainBatch.from_sequences(prompts, responses, behavior, adv, masks)
+
+
+def _setup(tp, pp, lr=1e-3, seed_weights=0):
+    from megatron_rl.trainer.policy import build_policy
+    from megatron_rl.trainer.train_step import AlgorithmConfig, PolicyTrainer
+    from megatron_rl.trainer.weights import load_hf_weights, random_hf_weights
+
+    parallel.initialize(parallel.ParallelLayout(tp, pp), SPEC)
+    policy = build_policy(SPEC, lr=lr, clip_grad=1.0, adam_eps=1e-4,
+                          init_weights=lambda m: load_hf_weights(m, SPEC, random_hf_weights(SPEC, seed=seed_weights)))
+    return PolicyTrainer(policy, AlgorithmConfig(loss="aipo", rho=2.0, temperature=TEMPERATURE), micro_batch_size=1)
+
+
+def _params(trainer):
+    from megatron.core import parallel_state as ps
+
+    return {"tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp_rank": ps.get_data_parallel_rank(),
+            "params": {n: p.detach().clone() for n, p in trainer.policy.module.named_parameters()}}
+
+
+def _merge(results, tp, pp):
+    from megatron_rl.trainer.weights import merge_to_hf
+
+    return merge_to_hf(SPEC, MegatronLayout(tp, pp), {(r["tp_rank"], r["pp_rank"]): r["params"]
+                                                       for r in results if r["dp_rank"] == 0})
+
+
+# ---- log-probs ---------------------------------------------------------------------------------------------------
+
+def _logprob_rank(tp):
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
+    from megatron_rl.trainer.policy import gather_vocab_parallel
+
+    trainer = _setup(tp, 1)
+    batch = _batch()
+    model = trainer.policy.module
+    logits = model(batch.tokens, torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens), None)
+    local = logits.detach().requires_grad_()
+    lp, ent = token_logprobs_and_entropy(local[:, :-1], batch.tokens[:, 1:], SPEC.vocab_size, TEMPERATURE)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    # Reference in the same process: plain log_softmax over the gathered, unpadded vocabulary.
+    full = gather_vocab_parallel(logits.detach())[..., : SPEC.vocab_size].requires_grad_()
+    ref_all = torch.log_softmax(full[:, :-1] / TEMPERATURE, -1)
+    ref_lp = ref_all.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    ref_ent = -(ref_all.exp() * ref_all).sum(-1)
+    (ref_lp.sum() + 0.3 * ref_ent.sum()).backward()
+    grad = gather_vocab_parallel(local.grad)
+    out = {"lp": lp.detach(), "ent": ent.detach(), "ref_lp": ref_lp.detach(), "ref_ent": ref_ent.detach(),
+           "grad": grad[..., : SPEC.vocab_size], "ref_grad": full.grad, "pad_grad": grad[..., SPEC.vocab_size:],
+           "rank": ps.get_tensor_model_parallel_rank()}
+    parallel.destroy()
+    return out
+
+
+def test_vocab_parallel_logprobs_equal_full_log_softmax():
+    tp1 = run_on_ranks(_logprob_rank, 1, 1)[0]
+    for r in run_on_ranks(_logprob_rank, 2, 2):
+        for key in ("lp", "ent", "grad"):
+            torch.testing.assert_close(r[key], r["ref_" + key], atol=1e-5, rtol=0, msg=key)
+        torch.testing.assert_close(r["lp"], tp1["ref_lp"], atol=1e-5, rtol=0)
+        assert (r["pad_grad"] == 0).all()  # padded vocabulary entries get no gradient
+
+
+# ---- one AIPO step under every layout ------------------------------------------------------------------------------
+
+def _step_rank(tp, pp):
+    trainer = _setup(tp, pp)
+    metrics = trainer.train_step(_batch())
+    out = _params(trainer)
+    out["metrics"] = metrics
+    parallel.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1_step():
+    results = run_on_ranks(_step_rank, 1, 1, 1)
+    return _merge(results, 1, 1), results[0]["metrics"]
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)],
+                         ids=["tp2", "pp2", "dp2", "tp2-dp2"])
+def test_aipo_step_is_identical_across_layouts(tp1_step, tp, pp, dp):
+    ref_weights, ref_metrics = tp1_step
+    results = run_on_ranks(_step_rank, tp * pp * dp, tp, pp)
+    weights = _merge(results, tp, pp)
+    for name in ref_weights:
+        torch.testing.assert_close(weights[name], ref_weights[name], atol=2e-6, rtol=0, msg=name)
+    for r in results:  # every rank reports the same metrics
+        for key in ("loss", "grad_norm", "kl_behavior_current", "clip_high_fraction", "tokens"):
+            assert r["metrics"][key] == pytest.approx(ref_metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_step_metrics_are_reported(tp1_step):
+    _, m = tp1_step
+    from megatron_rl.trainer.weights import random_hf_weights
+
+    assert m["tokens"] == 19  # 6 + 2 + 9 + 4 response tokens, 2 of them masked observations
+    assert m["trained_tokens"] == 19 and m["grad_norm"] > 0 and m["lr"] == pytest.approx(1e-3)
+    assert 0 < m["clip_high_fraction"] < 1 and m["tokens_per_s"] > 0
+    moved = max((tp1_step[0][n] - w).abs().max().item() for n, w in random_hf_weights(SPEC).items())
+    assert moved > 1e-4
+
+
+# ---- learning direction ------------------------------------------------------------------------------------------
+
+def _learn_rank():
+    trainer = _setup(2, 1, lr=3e-3)
+    batch = _batch(positive_only=True)
+    before = trainer.compute_logprobs(batch)
+    for _ in range(5):
+        trainer.train_step(batch)
+    after = trainer.compute_logprobs(batch)
+    parallel.destroy()
+    return before, after, batch.loss_mask
+
+
+def test_positive_advantages_raise_logprobs():
+    before, after, mask = run_on_ranks(_learn_rank, 2)[0]
+    gain = (after - before)[mask]
+    assert gain.mean() > 0.5
+    per_seq = [(after - before)[i][mask[i]].mean() for i in range(mask.shape[0])]
+    assert all(g > 0 for g in per_seq)
+
+
+# ---- checkpoints across layouts ------------------------------------------------------------------------------------
+
+def _save_rank(tp, pp, directory):
+    from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
+    from megatron_rl.trainer.train_step import build_scheduler
+
+    trainer = _setup(tp, pp)
+    scheduler = build_scheduler(trainer.policy, decay_steps=10, decay_style="cosine")
+    trainer.scheduler = scheduler
+    trainer.train_step(_batch())
+    save_trainer_checkpoint(trainer.policy, directory, scheduler, extra={"step": trainer.step})
+    metrics = trainer.train_step(_batch())
+    out = _params(trainer)
+    out["metrics"] = metrics
+    parallel.destroy()
+    return out
+
+
+def _load_rank(tp, pp, directory):
+    from megatron_rl.trainer.checkpoint import load_trainer_checkpoint
+    from megatron_rl.trainer.train_step import build_scheduler
+
+    trainer = _setup(tp, pp, seed_weights=99)  # different weights: the load must replace them
+    scheduler = build_scheduler(trainer.policy, decay_steps=10, decay_style="cosine")
+    trainer.scheduler = scheduler
+    extra = load_trainer_checkpoint(trainer.policy, directory, scheduler)
+    metrics = trainer.train_step(_batch())
+    out = _params(trainer)
+    out.update(metrics=metrics, extra=extra)
+    parallel.destroy()
+    return out
+
+
+@pytest.mark.parametrize("save_layout,load_layout", [((2, 1), (1, 1)), ((1, 2), (1, 1))], ids=["tp2-to-tp1", "pp2-to-pp1"])
+def test_checkpoint_resumes_under_another_layout(tmp_path, save_layout, load_layout):
+    directory = str(tmp_path / "ckpt")
+    saved = run_on_ranks(_save_rank, save_layout[0] * save_layout[1], *save_layout, directory)
+    loaded = run_on_ranks(_load_rank, load_layout[0] * load_layout[1], *load_layout, directory)
+    assert loaded[0]["extra"] == {"step": 1}
+    # The step after the checkpoint is the same: weights, Adam moments and the LR schedule were restored.
+    a, b = _merge(saved, *save_layout), _merge(loaded, *load_layout)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=2e-6, rtol=0, msg=name)
+    assert loaded[0]["metrics"]["lr"] == pytest.approx(saved[0]["metrics"]["lr"])
+    assert loaded[0]["metrics"]["loss"] == pytest.approx(saved[0]["metrics"]["loss"], rel=1e-5)
