@@ -204,3 +204,23 @@ def test_checkpoint_resumes_under_another_layout(tmp_path, save_layout, load_lay
         torch.testing.assert_close(b[name], a[name], atol=2e-6, rtol=0, msg=name)
     assert loaded[0]["metrics"]["lr"] == pytest.approx(saved[0]["metrics"]["lr"])
     assert loaded[0]["metrics"]["loss"] == pytest.approx(saved[0]["metrics"]["loss"], rel=1e-5)
+
+
+def _refuse_rank(directory):
+    from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
+    from megatron_rl.trainer.policy import build_policy
+
+    parallel.initialize(parallel.ParallelLayout(1, 1), SPEC)
+    policy = build_policy(SPEC, use_distributed_optimizer=True)
+    try:
+        save_trainer_checkpoint(policy, directory)
+    except ValueError as e:
+        return str(e)
+    finally:
+        parallel.destroy()
+
+
+def test_distributed_optimizer_checkpoint_is_refused_without_te_or_apex(tmp_path):
+    message = run_on_ranks(_refuse_rank, 1, str(tmp_path / "ckpt"))[0]
+    assert message and "--use-distributed-optimizer checkpoints need Transformer Engine or Apex" in message
+    assert not (tmp_path / "ckpt").exists()

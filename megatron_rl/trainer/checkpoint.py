@@ -27,10 +27,22 @@ def _sharded_state(policy: Policy, scheduler, is_loading: bool) -> dict:
     return state
 
 
+def _check_resumable(policy: Policy) -> None:
+    """Megatron-Core 0.16 restores distributed-optimizer state only for Apex/TE Adam; torch's Adam (the
+    fallback without them, always on CPU) keeps a per-parameter 'step' that the load cannot map."""
+    from megatron_rl.trainer.model import have_transformer_engine
+
+    if policy.optimizer.config.use_distributed_optimizer and not have_transformer_engine():
+        raise ValueError("--use-distributed-optimizer checkpoints need Transformer Engine or Apex Adam "
+                         "(torch's Adam state cannot be restored by megatron-core 0.16); train without "
+                         "--use-distributed-optimizer on this machine")
+
+
 def save_trainer_checkpoint(policy: Policy, directory: str, scheduler=None, extra: dict | None = None) -> None:
     """Collective: every trainer rank calls it. `extra` (plain data) is saved as common state."""
     from megatron.core import dist_checkpointing
 
+    _check_resumable(policy)
     state = _sharded_state(policy, scheduler, is_loading=False)
     state["extra"] = extra or {}
     if dist.get_rank() == 0:
@@ -45,9 +57,7 @@ def load_trainer_checkpoint(policy: Policy, directory: str, scheduler=None) -> d
 
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--load {directory!r}: no checkpoint directory")
-    if policy.optimizer.config.use_distributed_optimizer:
-        # A fresh distributed optimizer has no state to shard into; one zero-gradient step creates it.
-        _prime_optimizer_state(policy)
+    _check_resumable(policy)
     state = _sharded_state(policy, scheduler, is_loading=True)
     state["extra"] = {}
     loaded = dist_checkpointing.load(state, directory)
@@ -57,13 +67,3 @@ def load_trainer_checkpoint(policy: Policy, directory: str, scheduler=None) -> d
         scheduler.load_state_dict(loaded["scheduler"])
     return loaded.get("extra", {})
 
-
-def _prime_optimizer_state(policy: Policy) -> None:
-    groups = policy.optimizer.param_groups
-    saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in groups]
-    for g in groups:
-        g["lr"], g["weight_decay"] = 0.0, 0.0
-    policy.model.zero_grad_buffer()
-    policy.optimizer.step()
-    for g, (lr, wd) in zip(groups, saved):
-        g["lr"], g["weight_decay"] = lr, wd
