@@ -1,0 +1,35 @@
+"""python -m megatron_rl.bench {reward} [--quick]: prints one JSON object per benchmark, last line = all."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+BENCHMARKS = ("reward",)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.bench", description=__doc__)
+    parser.add_argument("which", choices=BENCHMARKS + ("all",))
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a run of a few minutes")
+    parser.add_argument("--results-file", default=os.environ.get("BENCH_RESULTS", "bench_results.jsonl"),
+                        help="each result is also appended here as one JSON line")
+    args = parser.parse_args(argv)
+    names = BENCHMARKS if args.which == "all" else (args.which,)
+    combined = {}
+    for name in names:
+        module = __import__(f"megatron_rl.bench.{name}", fromlist=["run"])
+        result = module.run(quick=args.quick)
+        combined[name] = result
+        print(json.dumps({name: result}), flush=True)
+        with open(args.results_file, "a") as f:
+            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "benchmark": name, "quick": args.quick,
+                                **result}) + "\n")
+    print(json.dumps(combined))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

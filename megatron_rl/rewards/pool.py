@@ -1,0 +1,134 @@
+"""A pool of scoring worker processes that no single item can hang or break.
+
+Why not `concurrent.futures.ProcessPoolExecutor`: it cannot stop one task that runs too long (a sympy
+power tower spends minutes inside C code, where signal-based timeouts never fire), and one worker killed by
+the OS breaks the whole executor. Here the parent holds a deadline per item: an item past its deadline has
+its worker killed and is reported as "timeout"; an item whose worker died is reported as "crashed"; an
+exception inside the function is reported as "error" with its traceback. Each lost worker is replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import time
+import traceback
+from multiprocessing.connection import wait
+from typing import Any, Callable, Sequence
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: str  # "ok", "timeout", "crashed", "error"
+    value: Any = None
+    error: str = ""
+
+
+def _worker_main(conn, warmup: Callable[[], None] | None) -> None:
+    if warmup is not None:
+        warmup()
+    conn.send(("ready", None, None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        task_id, fn, args = message
+        try:
+            conn.send((task_id, "ok", fn(*args)))
+        except BaseException:  # noqa: BLE001 - reported to the parent, which decides what it means
+            conn.send((task_id, "error", traceback.format_exc(limit=5)))
+
+
+class _Worker:
+    def __init__(self, ctx, warmup):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, warmup), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready = False
+        self.task: tuple[int, float] | None = None  # (item index, deadline)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class WorkerPool:
+    """`map(fn, items, timeout_s)` runs `fn(*item)` for every item on `num_workers` processes."""
+
+    def __init__(self, num_workers: int = 2, warmup: Callable[[], None] | None = None, start_timeout_s: float = 120):
+        if num_workers < 1:
+            raise ValueError(f"--reward-num-workers must be >= 1, got {num_workers}")
+        self._ctx = mp.get_context("spawn")
+        self._warmup = warmup
+        self._start_timeout_s = start_timeout_s
+        self.num_workers = num_workers
+        self.replaced_workers = 0
+        self._workers = [_Worker(self._ctx, warmup) for _ in range(num_workers)]
+
+    def _replace(self, i: int) -> None:
+        self._workers[i].kill()
+        self._workers[i] = _Worker(self._ctx, self._warmup)
+        self.replaced_workers += 1
+
+    def map(self, fn: Callable, items: Sequence[tuple], timeout_s: float) -> list[Outcome]:
+        results: list[Outcome | None] = [None] * len(items)
+        pending = list(range(len(items)))[::-1]
+        start_deadline = time.monotonic() + self._start_timeout_s
+        while pending or any(w.task for w in self._workers):
+            for w in self._workers:
+                if w.ready and w.task is None and pending:
+                    i = pending.pop()
+                    w.conn.send((i, fn, items[i]))
+                    w.task = (i, time.monotonic() + timeout_s)
+            now = time.monotonic()
+            deadlines = [w.task[1] for w in self._workers if w.task] or [now + 1.0]
+            waitables = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
+            ready = wait(waitables, timeout=max(0.0, min(deadlines) - now))
+            for k, w in enumerate(self._workers):
+                if w.conn in ready:
+                    try:
+                        task_id, status, value = w.conn.recv()
+                    except (EOFError, OSError):
+                        self._lose(k, results, "crashed", "worker process died")
+                        continue
+                    if task_id == "ready":
+                        w.ready = True
+                    elif w.task and task_id == w.task[0]:
+                        results[task_id] = Outcome("ok", value) if status == "ok" else Outcome("error", error=value)
+                        w.task = None
+                elif w.process.sentinel in ready:
+                    self._lose(k, results, "crashed", f"worker process died (exit code {w.process.exitcode})")
+            now = time.monotonic()
+            for k, w in enumerate(self._workers):
+                if w.task and now > w.task[1]:
+                    self._lose(k, results, "timeout", f"no verdict within {timeout_s:g} s; worker killed")
+            if not any(w.ready for w in self._workers) and now > start_deadline:
+                raise RuntimeError(f"no scoring worker started within {self._start_timeout_s:.0f} s")
+        return results  # type: ignore[return-value]
+
+    def _lose(self, k: int, results: list, status: str, error: str) -> None:
+        w = self._workers[k]
+        if w.task is not None:
+            results[w.task[0]] = Outcome(status, error=error)
+        self._replace(k)
+
+    def close(self) -> None:
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            w.process.join(timeout=2)
+            w.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
