@@ -19,7 +19,7 @@ def random_hf_model(spec: ModelSpec, seed: int = 0, dtype: torch.dtype = torch.f
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(spec), torch_dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(spec), dtype=dtype)
     with torch.no_grad():  # random norm weights, so that a wrong norm mapping cannot go unnoticed
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -1,0 +1,193 @@
+"""The built-in engine's decoder: Llama / Qwen2 over a TP group, holding SGLang's runtime parameters.
+
+Each TP rank holds exactly what an SGLang TP rank holds (names and shapes from `models.layout.sglang_shards`):
+fused `qkv_proj` = [q_r; k_r; v_r], `gate_up_proj` = [gate_r; up_r], row-parallel `o_proj` / `down_proj`,
+vocab-parallel `embed_tokens` / `lm_head` (padded to 64), replicated norms. Weight updates therefore arrive
+in the layout DDMA sends to SGLang.
+
+KV cache: a fixed pool of slots [layers, slots, kv_heads_local, max_seq_len, head_dim]. A forward pass takes
+any set of slots, each with its own start position, so decode steps batch requests of different lengths
+(continuous batching) and a prefill is the same call with more tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_rl.models import layout as L
+from megatron_rl.models.spec import ModelSpec
+from megatron_rl.rollout.fp8 import dequantize_block_fp8, quantize_block_fp8
+
+FP8_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama-3.1 frequency scaling when the spec has it (as HF computes them)."""
+    d = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = spec.rope_scaling
+    if rs is None:
+        return inv_freq
+    factor, low, high, old = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"], \
+        rs["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class TPDecoder:
+    def __init__(self, spec: ModelSpec, tp_size: int = 1, tp_rank: int = 0, group=None,
+                 dtype: torch.dtype = torch.float32, fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512):
+        self.spec, self.tp_size, self.tp_rank, self.group = spec, tp_size, tp_rank, group
+        self.dtype, self.fp8 = dtype, fp8
+        self.layouts = L.sglang_shards(spec, tp_size, tp_rank)
+        self.padded_vocab = L.sglang_padded_vocab(spec, tp_size)
+        self.q_heads = spec.num_attention_heads // tp_size
+        self.kv_heads = max(spec.num_key_value_heads // tp_size, 1)
+        self.params: dict[str, torch.Tensor] = {}  # what was received, in the runtime layout (FP8 + scales)
+        self._compute: dict[str, torch.Tensor] = {}  # what the matmuls use (dequantized on a CPU)
+        self.max_slots, self.max_seq_len = max_slots, max_seq_len
+        shape = (spec.num_layers, max_slots, self.kv_heads, max_seq_len, spec.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype)
+        self.v_cache = torch.zeros(shape, dtype=dtype)
+        self.inv_freq = rope_inv_freq(spec)
+
+    # ---- weights -------------------------------------------------------------------------------------------------
+    def expected(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Runtime tensor name -> (shape, kind) this rank accepts; kind "fp8"/"scale" in FP8 mode."""
+        out = {}
+        for name, lay in self.layouts.items():
+            if self.fp8 and name.endswith(FP8_SUFFIXES):
+                out[name] = (lay.shape, "fp8")
+                n, k = lay.shape
+                out[name + "_scale_inv"] = ((-(-n // 128), -(-k // 128)), "scale")
+            else:
+                out[name] = (lay.shape, "dense")
+        return out
+
+    def load(self, name: str, tensor: torch.Tensor, into: dict[str, torch.Tensor]) -> None:
+        """Check one runtime tensor and store it in `into` (a staging dict). In FP8 mode a dense linear
+        weight is quantized on receipt; an FP8 weight comes with its `_scale_inv`."""
+        expected = self.expected()
+        if name not in expected:
+            raise KeyError(f"generator TP rank {self.tp_rank}: unknown runtime tensor {name!r}")
+        shape, kind = expected[name]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"generator TP rank {self.tp_rank}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {shape}")
+        if kind == "fp8" and tensor.dtype != torch.float8_e4m3fn:
+            into[name], into[name + "_scale_inv"] = quantize_block_fp8(tensor)
+        elif kind in ("fp8", "scale"):
+            into[name] = tensor.clone()
+        else:
+            into[name] = tensor.to(self.dtype).clone()
+
+    def install(self, params: dict[str, torch.Tensor]) -> None:
+        """Make a complete staged set of tensors the serving weights. Raises (keeping the old weights) if any
+        expected tensor is missing."""
+        missing = sorted(set(self.expected()) - set(params))
+        if missing:
+            raise ValueError(f"generator TP rank {self.tp_rank}: weight update is missing {missing[:3]}"
+                             f"{' ...' if len(missing) > 3 else ''}")
+        compute = {}
+        for name in self.layouts:
+            if self.fp8 and name.endswith(FP8_SUFFIXES):
+                compute[name] = dequantize_block_fp8(params[name], params[name + "_scale_inv"], dtype=self.dtype)
+            else:
+                compute[name] = params[name]
+        self.params, self._compute = params, compute
+
+    # ---- forward ------------------------------------------------------------------------------------------------
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        w = self._compute["model.embed_tokens.weight"]
+        per = w.shape[0]
+        start = self.tp_rank * per
+        local = tokens - start
+        inside = (local >= 0) & (local < per)
+        x = F.embedding(local.clamp(0, per - 1), w) * inside.unsqueeze(-1)
+        return self._all_reduce(x.contiguous())
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.spec.norm_eps)).to(self.dtype) * self._compute[name]
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [S, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype).unsqueeze(1), emb.sin().to(x.dtype).unsqueeze(1)  # [S, 1, T, d]
+        return x * cos + _rotate_half(x) * sin
+
+    @torch.no_grad()
+    def forward(self, slots: list[int], tokens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """tokens [S, T] at positions starts[s] .. starts[s] + T - 1 of each slot; returns full-vocabulary
+        logits [S, T, vocab] (fp32). Caches K/V of these positions in the slots."""
+        spec, d = self.spec, self.spec.head_dim
+        S, T = tokens.shape
+        if int(starts.max()) + T > self.max_seq_len:
+            raise ValueError(f"sequence of {int(starts.max()) + T} tokens exceeds the engine's max_seq_len "
+                             f"{self.max_seq_len}")
+        slot_index = torch.tensor(slots, dtype=torch.long)
+        contiguous = slots == list(range(slots[0], slots[0] + S))
+        positions = starts.unsqueeze(1) + torch.arange(T).unsqueeze(0)  # [S, T]
+        kv_len = int(positions.max()) + 1
+        key_pos = torch.arange(kv_len)
+        mask = key_pos.view(1, 1, 1, -1) <= positions.view(S, 1, T, 1)  # causal over the cached prefix
+        q_size, kv_size = self.q_heads * d, self.kv_heads * d
+        x = self._embed(tokens)
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}"
+            h = self._norm(x, f"{p}.input_layernorm.weight")
+            qkv = h @ self._compute[f"{p}.self_attn.qkv_proj.weight"].T
+            if spec.qkv_bias:
+                qkv = qkv + self._compute[f"{p}.self_attn.qkv_proj.bias"]
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = self._rope(q.view(S, T, self.q_heads, d).transpose(1, 2), positions)
+            k = self._rope(k.view(S, T, self.kv_heads, d).transpose(1, 2), positions)
+            v = v.view(S, T, self.kv_heads, d).transpose(1, 2)
+            if T == 1:  # decode: one vectorized write for all slots
+                self.k_cache[i, slot_index, :, starts] = k[:, :, 0]
+                self.v_cache[i, slot_index, :, starts] = v[:, :, 0]
+            else:
+                for s, slot in enumerate(slots):
+                    start = int(starts[s])
+                    self.k_cache[i, slot, :, start:start + T] = k[s]
+                    self.v_cache[i, slot, :, start:start + T] = v[s]
+            if contiguous:  # a view, no copy
+                keys = self.k_cache[i, slots[0]:slots[0] + S, :, :kv_len]
+                values = self.v_cache[i, slots[0]:slots[0] + S, :, :kv_len]
+            else:
+                keys = self.k_cache[i, slot_index, :, :kv_len]
+                values = self.v_cache[i, slot_index, :, :kv_len]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                  enable_gqa=self.q_heads != self.kv_heads)
+            attn = attn.transpose(1, 2).reshape(S, T, q_size)
+            x = x + self._all_reduce((attn @ self._compute[f"{p}.self_attn.o_proj.weight"].T).contiguous())
+            h = self._norm(x, f"{p}.post_attention_layernorm.weight")
+            gate, up = (h @ self._compute[f"{p}.mlp.gate_up_proj.weight"].T).chunk(2, dim=-1)
+            x = x + self._all_reduce((F.silu(gate) * up @ self._compute[f"{p}.mlp.down_proj.weight"].T).contiguous())
+        x = self._norm(x, "model.norm.weight")
+        head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+        logits = (x @ self._compute[head].T).float().contiguous()
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(parts, logits, group=self.group)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : spec.vocab_size]

@@ -1,0 +1,239 @@
+"""LocalEngine: the built-in rollout engine, with SGLang's request semantics and weight layout.
+
+Semantics kept identical to SGLang (shared/notes/sglang.md): per-token behavior log-probs after temperature
+and before top-k/top-p; per-token weight versions; finish reasons "stop" / "length" / "abort"; pause with
+mode "abort" (in-flight requests return their partial output) or "retract" (they go back to the queue,
+keep what they generated, and resume under the new weights with their KV cache recomputed, never reused
+across versions); weight updates bracketed by begin/end_weight_update, atomic: an incomplete update raises
+and the previous version keeps serving.
+
+With TP > 1 every rank of the engine's group runs the same calls in the same order (SPMD, as SGLang's TP
+schedulers do); sampling uses per-request generators so all ranks pick the same tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models import layout as L
+from megatron_rl.models.safetensors_io import HFCheckpoint
+from megatron_rl.models.spec import ModelSpec
+from megatron_rl.rollout.decoder import TPDecoder
+from megatron_rl.rollout.sampling import sample
+from megatron_rl.rollout.types import RolloutOutput, SamplingParams
+
+
+@dataclasses.dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    cached: int = 0  # tokens whose K/V are in the slot
+    retractions: int = 0
+
+    def output(self, reason: str) -> RolloutOutput:
+        return RolloutOutput(self.rid, list(self.prompt), list(self.generated), list(self.logprobs),
+                             list(self.versions), reason, self.retractions)
+
+
+class LocalEngine:
+    def __init__(self, decoder: TPDecoder, eos_token_ids: Iterable[int] = (), seed: int = 0):
+        self.decoder = decoder
+        self.spec = decoder.spec
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.seed = seed
+        self.weight_version = 0
+        self.paused = False
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []
+        self._free_slots = list(range(decoder.max_slots - 1))  # the last slot is reserved for score()
+        self._ids = itertools.count()
+        self._staged: dict[str, torch.Tensor] | None = None
+
+    # ---- construction ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf_dir: str, tp_size: int = 1, group=None, dtype: torch.dtype = torch.float32,
+                fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512, seed: int = 0) -> "LocalEngine":
+        """Load an HF checkpoint. tp_size > 1: call on every rank of `group` (default: the whole world)."""
+        ckpt = HFCheckpoint(hf_dir)
+        spec = ModelSpec.from_hf_config(ckpt.config)
+        tp_rank = 0
+        if tp_size > 1:
+            if not dist.is_initialized():
+                raise RuntimeError(f"--rollout-tensor-parallel-size {tp_size} needs torch.distributed initialized")
+            group_size = dist.get_world_size(group)
+            if group_size != tp_size:
+                raise ValueError(f"--rollout-tensor-parallel-size {tp_size} does not match the engine group's "
+                                 f"size {group_size}")
+            tp_rank = dist.get_rank(group)
+        decoder = TPDecoder(spec, tp_size, tp_rank, group, dtype, fp8, max_slots, max_seq_len)
+        params: dict[str, torch.Tensor] = {}
+        for name, lay in decoder.layouts.items():
+            decoder.load(name, L.assemble(lay, ckpt.get_slice), params)
+        decoder.install(params)
+        eos = ckpt.config.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(decoder, eos_ids, seed)
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if len(prompt_token_ids) + params.max_new_tokens > self.decoder.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds the engine's max_seq_len {self.decoder.max_seq_len}")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {self.spec.vocab_size}): {bad[:5]}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else hash((self.seed, rid)) & 0x7FFFFFFF
+        generator = torch.Generator().manual_seed(seed)
+        self._queue.append(_Request(rid, list(prompt_token_ids), params, generator))
+        return rid
+
+    def has_work(self) -> bool:
+        return bool(self._queue or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def _finish_reason(self, req: _Request) -> str | None:
+        token = req.generated[-1]
+        if token in req.params.stop_token_ids or (not req.params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(req.generated) >= req.params.max_new_tokens:
+            return "length"
+        return None
+
+    def _append(self, req: _Request, logits: torch.Tensor) -> None:
+        token, logprob = sample(logits, req.params, req.generator)
+        req.generated.append(token)
+        req.logprobs.append(logprob)
+        req.versions.append(self.weight_version)
+
+    def step(self) -> list[RolloutOutput]:
+        """Admit queued requests into free slots (prefill), then one batched decode step. Returns the
+        requests that finished in this step."""
+        if self.paused or self._staged is not None:
+            return []
+        finished: list[RolloutOutput] = []
+        admitted = []
+        while self._queue and self._free_slots:
+            req = self._queue.popleft()
+            self._free_slots.sort()  # lowest slots first: running requests stay contiguous (no KV gather)
+            req.slot = self._free_slots.pop(0)
+            admitted.append(req)
+        if admitted:
+            # One right-padded prefill for everything admitted; a resumed request recomputes its whole prefix.
+            # Padding positions are cached past each prompt's end, never attended to (causal), and
+            # overwritten by decoding.
+            prefixes = [r.prompt + r.generated for r in admitted]
+            width = max(len(t) for t in prefixes)
+            tokens = torch.tensor([t + [0] * (width - len(t)) for t in prefixes])
+            logits = self.decoder.forward([r.slot for r in admitted], tokens, torch.zeros(len(admitted), dtype=torch.long))
+            for r, t, row in zip(admitted, prefixes, logits):
+                r.cached = len(t)
+                self._append(r, row[len(t) - 1])
+        decoding = sorted(self._running, key=lambda r: r.slot)
+        if decoding:
+            tokens = torch.tensor([[r.generated[-1]] for r in decoding])
+            starts = torch.tensor([r.cached for r in decoding])
+            logits = self.decoder.forward([r.slot for r in decoding], tokens, starts)
+            for r, row in zip(decoding, logits):
+                r.cached += 1
+                self._append(r, row[-1])
+        self._running.extend(admitted)
+        still = []
+        for r in self._running:
+            reason = self._finish_reason(r)
+            if reason is None:
+                still.append(r)
+            else:
+                self._free_slots.append(r.slot)
+                r.slot = None
+                finished.append(r.output(reason))
+        self._running = still
+        return finished
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
+        """Run the given prompts to completion (with whatever else is queued); outputs in prompt order."""
+        rids = [self.add_request(p, params) for p in prompt_token_ids]
+        wanted, done = set(rids), {}
+        while wanted - set(done):
+            if self.paused:
+                raise RuntimeError("generate() on a paused engine: call continue_generation() first")
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[r] for r in rids]
+
+    # ---- control --------------------------------------------------------------------------------------------------
+    def pause(self, mode: str = "retract") -> list[RolloutOutput]:
+        """Stop decoding. "retract": running requests return to the front of the queue with what they
+        generated (their KV cache is dropped). "abort": running and queued requests end now with
+        finish_reason "abort" and are returned."""
+        if mode not in ("retract", "abort"):
+            raise ValueError(f"pause mode must be 'retract' or 'abort', got {mode!r}")
+        self.paused = True
+        running, self._running = self._running, []
+        for r in running:
+            self._free_slots.append(r.slot)
+            r.slot, r.cached = None, 0
+        if mode == "abort":
+            aborted = [r.output("abort") for r in running + list(self._queue)]
+            self._queue.clear()
+            return aborted
+        for r in reversed(running):
+            r.retractions += 1
+            self._queue.appendleft(r)
+        return []
+
+    def continue_generation(self) -> None:
+        self.paused = False
+
+    def begin_weight_update(self) -> None:
+        if self._running:
+            raise RuntimeError(f"begin_weight_update with {len(self._running)} requests decoding: pause first "
+                               "(their KV caches were computed by the current weights)")
+        self._staged = {}
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Receive this rank's runtime-layout shards (between begin and end_weight_update)."""
+        if self._staged is None:
+            raise RuntimeError("load_weights outside begin_weight_update / end_weight_update")
+        for name, tensor in named_tensors:
+            self.decoder.load(name, tensor, self._staged)
+
+    def end_weight_update(self, version: int) -> None:
+        """Install the staged weights as `version`. An incomplete update raises; the old weights stay."""
+        if self._staged is None:
+            raise RuntimeError("end_weight_update without begin_weight_update")
+        staged, self._staged = self._staged, None
+        self.decoder.install(staged)
+        self.weight_version = version
+
+    def abort_weight_update(self) -> None:
+        self._staged = None
+
+    # ---- scoring ----------------------------------------------------------------------------------------------------
+    def score(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """log_softmax(logits / temperature) of token_ids[1:] given their prefixes (teacher forcing)."""
+        slot = self.decoder.max_slots - 1
+        logits = self.decoder.forward([slot], torch.tensor([token_ids]), torch.tensor([0]))[0]
+        logprobs = torch.log_softmax(logits[:-1] / temperature, -1)
+        return logprobs.gather(-1, torch.tensor(token_ids[1:]).unsqueeze(-1)).squeeze(-1)
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        slot = self.decoder.max_slots - 1
+        return self.decoder.forward([slot], torch.tensor([token_ids]), torch.tensor([0]))[0]

@@ -1,0 +1,57 @@
+"""Request and response types shared by every rollout engine (the built-in one and the SGLang adapter)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# The behavior log-prob convention of every engine here (and SGLang's default): the log-prob of the sampled
+# token under log_softmax(logits / temperature) over the full vocabulary, i.e. AFTER temperature and BEFORE
+# top-k / top-p truncation. Greedy decoding (temperature 0) reports log_softmax(logits) (temperature 1).
+LOGPROB_CONVENTION = "temperature-scaled, before top-k/top-p"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = -1  # -1: all tokens
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None  # per-request sampling seed; None: derived from the engine seed and request id
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+@dataclasses.dataclass
+class RolloutOutput:
+    """One finished (or aborted) request: the trajectory contract's generator-side fields."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids
+    logprobs: list[float]  # behavior log-prob of each generated token (LOGPROB_CONVENTION)
+    versions: list[int]  # weight version that produced each generated token
+    finish_reason: str  # "stop" | "length" | "abort"
+    num_retractions: int = 0
+    logprob_convention: str = LOGPROB_CONVENTION
+
+    @property
+    def version_spans(self) -> list[dict]:
+        """[{version, start, end}] runs of equal versions over the generated tokens (SGLang's format)."""
+        spans: list[dict] = []
+        for i, v in enumerate(self.versions):
+            if spans and spans[-1]["version"] == v:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": v, "start": i, "end": i + 1})
+        return spans
