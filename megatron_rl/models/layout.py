@@ -185,25 +185,62 @@ def _validate_tp(spec: ModelSpec, tp: int, who: str, allow_kv_replication: bool)
 
 @dataclasses.dataclass(frozen=True)
 class MegatronLayout:
-    """A Megatron-Core GPTModel layout: TP x PP, vocab padding, local or Transformer-Engine layer spec."""
+    """A Megatron-Core GPTModel layout: TP x PP, vocab padding, local or Transformer-Engine layer spec.
+
+    Layers split evenly over PP stages unless the first and/or last stage get their own count
+    (Megatron's --decoder-first/last-pipeline-num-layers), e.g. 126 layers over 16 stages as 7 + 14 x 8 + 7.
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     make_vocab_size_divisible_by: int = 128
     transformer_engine: bool = False
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+
+    def stage_sizes(self, spec: ModelSpec) -> list[int]:
+        pp, first, last = self.pipeline_parallel_size, self.decoder_first_pipeline_num_layers, \
+            self.decoder_last_pipeline_num_layers
+        if pp == 1:
+            return [spec.num_layers]
+        fixed = [x for x in (first, last) if x is not None]
+        middle_stages = pp - len(fixed)
+        rest = spec.num_layers - sum(fixed)
+        if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and rest % middle_stages):
+            flags = "".join(f" --decoder-{k}-pipeline-num-layers {v}" for k, v in (("first", first), ("last", last))
+                            if v is not None)
+            raise ValueError(f"trainer PP={pp}{flags} does not divide model {spec.name!r} num_layers "
+                             f"{spec.num_layers} (set --decoder-first/last-pipeline-num-layers)")
+        per = rest // middle_stages if middle_stages else 0
+        sizes = [per] * pp
+        if first is not None:
+            sizes[0] = first
+        if last is not None:
+            sizes[-1] = last
+        return sizes
 
     def layers(self, spec: ModelSpec, pp_rank: int) -> range:
-        """Global layer indices held by pipeline stage `pp_rank` (Megatron's even split)."""
-        per = spec.num_layers // self.pipeline_parallel_size
-        return range(pp_rank * per, (pp_rank + 1) * per)
+        """Global layer indices held by pipeline stage `pp_rank`."""
+        sizes = self.stage_sizes(spec)
+        start = sum(sizes[:pp_rank])
+        return range(start, start + sizes[pp_rank])
 
     def validate(self, spec: ModelSpec) -> None:
         _validate_tp(spec, self.tensor_parallel_size, "trainer", allow_kv_replication=False)
-        if spec.num_layers % self.pipeline_parallel_size:
-            raise ValueError(
-                f"trainer PP={self.pipeline_parallel_size} does not divide model {spec.name!r} "
-                f"num_layers {spec.num_layers}"
-            )
+        self.stage_sizes(spec)
+
+
+def balanced_edge_stages(num_layers: int, pipeline_parallel_size: int) -> tuple[int | None, int | None]:
+    """(first, last) stage layer counts that make an uneven split work: middle stages get ceil(L / PP)
+    layers and the two edge stages share the rest (126 over 16 -> 7, 14 x 8, 7). (None, None) if even."""
+    pp = pipeline_parallel_size
+    if pp == 1 or num_layers % pp == 0:
+        return None, None
+    per = -(-num_layers // pp)
+    rest = num_layers - per * (pp - 2)
+    if rest < 2:
+        raise ValueError(f"cannot split {num_layers} layers over {pp} pipeline stages")
+    return rest - rest // 2, rest // 2
 
 
 def megatron_shards(spec: ModelSpec, layout: MegatronLayout, tp_rank: int, pp_rank: int) -> dict[str, ShardLayout]:

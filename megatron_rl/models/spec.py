@@ -7,6 +7,7 @@ runtime layout. The real sizes are those of the public HF `config.json` files of
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -42,6 +43,9 @@ class ModelSpec:
                 f"model {self.name!r}: num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+
+    def __hash__(self) -> int:  # rope_scaling is a dict; hash the spec by its content (plan caches key on it)
+        return hash(json.dumps(dataclasses.asdict(self), sort_keys=True))
 
     @property
     def head_dim(self) -> int:

@@ -78,7 +78,7 @@ class TPDecoder:
                 out[name] = (lay.shape, "dense")
         return out
 
-    def load(self, name: str, tensor: torch.Tensor, into: dict[str, torch.Tensor]) -> None:
+    def load(self, name: str, tensor: torch.Tensor, into: dict[str, torch.Tensor], copy: bool = True) -> None:
         """Check one runtime tensor and store it in `into` (a staging dict). In FP8 mode a dense linear
         weight is quantized on receipt; an FP8 weight comes with its `_scale_inv`."""
         expected = self.expected()
@@ -91,9 +91,10 @@ class TPDecoder:
         if kind == "fp8" and tensor.dtype != torch.float8_e4m3fn:
             into[name], into[name + "_scale_inv"] = quantize_block_fp8(tensor)
         elif kind in ("fp8", "scale"):
-            into[name] = tensor.clone()
+            into[name] = tensor.clone() if copy else tensor
         else:
-            into[name] = tensor.to(self.dtype).clone()
+            converted = tensor.to(self.dtype)
+            into[name] = converted.clone() if copy and converted is tensor else converted
 
     def install(self, params: dict[str, torch.Tensor]) -> None:
         """Make a complete staged set of tensors the serving weights. Raises (keeping the old weights) if any

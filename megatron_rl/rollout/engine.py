@@ -208,12 +208,13 @@ class LocalEngine:
                                "(their KV caches were computed by the current weights)")
         self._staged = {}
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Receive this rank's runtime-layout shards (between begin and end_weight_update)."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], copy: bool = True) -> None:
+        """Receive this rank's runtime-layout shards (between begin and end_weight_update). `copy=False`
+        hands the tensors over to the engine (the caller must not modify them afterwards)."""
         if self._staged is None:
             raise RuntimeError("load_weights outside begin_weight_update / end_weight_update")
         for name, tensor in named_tensors:
-            self.decoder.load(name, tensor, self._staged)
+            self.decoder.load(name, tensor, self._staged, copy)
 
     def end_weight_update(self, version: int) -> None:
         """Install the staged weights as `version`. An incomplete update raises; the old weights stay."""

@@ -1,0 +1,275 @@
+"""DDMA planning: which trainer rank sends which slice to which generator rank.
+
+Both sides are described by the one layout mapping (`models.layout`): a generator rank's runtime tensor is a
+list of HF row ranges (SGLang layout), and each trainer rank holds HF row ranges inside its Megatron shards.
+Intersecting the two gives point-to-point pieces: (trainer rank, Megatron tensor, offset) -> (generator
+rank, runtime tensor, offset), `length` rows along the split dim. Resharding TP m -> n, fused QKV per query
+group -> [q; k; v], fc1 -> [gate; up], row-parallel dims, vocab padding and PP stages all fall out of that
+intersection; no rank ever holds more than its own shard.
+
+Sources are spread: a piece held by several trainer ranks (DP replicas, and TP ranks for replicated norms)
+is sent by whichever of them has sent the fewest bytes so far, so DP replicas share the sending and every
+generator replica is fed in parallel. The plan is a pure function of the layouts, computed identically on
+every rank and cached.
+
+FP8: for a runtime weight that SGLang serves in block FP8, pieces whose rows (or columns) start and end on
+128 boundaries are quantized by the sender (half the bytes of bf16); if any piece of a tensor is not
+aligned, that tensor travels in the trainer's dtype and the generator quantizes it on receipt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import defaultdict
+
+from megatron_rl.models import layout as L
+from megatron_rl.models.spec import ModelSpec
+from megatron_rl.rollout.decoder import FP8_SUFFIXES
+from megatron_rl.rollout.fp8 import BLOCK
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerLayout:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    make_vocab_size_divisible_by: int = 128
+    transformer_engine: bool = False
+    dtype_bytes: int = 2  # bf16
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    def megatron(self) -> L.MegatronLayout:
+        return L.MegatronLayout(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                self.make_vocab_size_divisible_by, self.transformer_engine,
+                                self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
+
+    def rank(self, dp: int, pp: int, tp: int) -> int:
+        """Global rank in Megatron-Core's default order (tp fastest, then dp, then pp)."""
+        return (pp * self.data_parallel_size + dp) * self.tensor_parallel_size + tp
+
+    def describe(self) -> str:
+        return f"trainer TP={self.tensor_parallel_size} PP={self.pipeline_parallel_size} DP={self.data_parallel_size}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorLayout:
+    tensor_parallel_size: int = 1
+    num_replicas: int = 1
+    fp8: bool = False
+    first_rank: int = 0  # global rank of replica 0, TP rank 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.num_replicas
+
+    def rank(self, replica: int, tp: int) -> int:
+        return self.first_rank + replica * self.tensor_parallel_size + tp
+
+    def describe(self) -> str:
+        return (f"generator TP={self.tensor_parallel_size} x {self.num_replicas} replicas"
+                f"{' FP8' if self.fp8 else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """`length` rows along `dim` of one tensor, sent from `src` to `dst`."""
+
+    src: int
+    dst: int
+    src_tensor: str  # Megatron local name on the source rank
+    src_offset: int
+    dst_tensor: str  # runtime (SGLang) name on the destination rank
+    dst_offset: int
+    length: int
+    dim: int
+    row_numel: int  # elements per row along `dim` (product of the other dims)
+    quantize: bool  # the sender quantizes to block FP8
+    nbytes: int
+
+
+@dataclasses.dataclass
+class Plan:
+    spec: ModelSpec
+    trainer: TrainerLayout
+    generator: GeneratorLayout
+    pieces: list[Piece]
+    runtime: dict[int, dict[str, L.ShardLayout]]  # generator global rank -> its runtime tensors
+    quantized_tensors: frozenset[str]  # runtime names sent as FP8 by the trainer
+
+    @functools.cached_property
+    def by_rank(self) -> dict[int, dict[str, list[Piece]]]:
+        out: dict[int, dict[str, list[Piece]]] = defaultdict(lambda: {"send": [], "recv": []})
+        for p in self.pieces:
+            out[p.src]["send"].append(p)
+            out[p.dst]["recv"].append(p)
+        return dict(out)
+
+    def sends(self, rank: int) -> list[Piece]:
+        return self.by_rank.get(rank, {"send": []})["send"]
+
+    def recvs(self, rank: int) -> list[Piece]:
+        return self.by_rank.get(rank, {"recv": []})["recv"]
+
+    def bytes_sent(self, rank: int) -> int:
+        return sum(p.nbytes for p in self.sends(rank))
+
+    def bytes_received(self, rank: int) -> int:
+        return sum(p.nbytes for p in self.recvs(rank))
+
+    def shard_bytes(self, rank: int) -> int:
+        """Memory of generator `rank`'s runtime weights (FP8 values or the trainer dtype; padding included)."""
+        return sum(shard.numel * (1 if name in self.quantized_tensors else self.trainer.dtype_bytes)
+                   for name, shard in self.runtime[rank].items())
+
+
+def piece_nbytes(length: int, row_numel: int, quantize: bool, dtype_bytes: int) -> int:
+    if not quantize:
+        return length * row_numel * dtype_bytes
+    blocks = -(-length // BLOCK) * -(-row_numel // BLOCK)
+    return length * row_numel + blocks * 4  # e4m3 values + fp32 scale_inv per 128 x 128 block
+
+
+def validate(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayout,
+             generator_spec: ModelSpec | None = None) -> None:
+    """Fail at planning time, naming both layouts, if the generator cannot take this trainer's weights."""
+    both = f"({trainer.describe()} -> {generator.describe()}, model {spec.name!r})"
+    if generator_spec is not None:
+        fields = ("arch", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                  "ffn_hidden_size", "vocab_size", "qkv_bias", "tie_word_embeddings")
+        diff = [f"{f}: {getattr(spec, f)} vs {getattr(generator_spec, f)}" for f in fields
+                if getattr(spec, f) != getattr(generator_spec, f)]
+        if diff:
+            raise ValueError(f"generator model does not match the trainer's {both}: {'; '.join(diff)}")
+    try:
+        trainer.megatron().validate(spec)
+        L.sglang_shards(spec, generator.tensor_parallel_size, 0)
+    except ValueError as e:
+        raise ValueError(f"cannot plan DDMA {both}: {e}") from None
+    if generator.first_rank < trainer.world_size and generator.first_rank + generator.world_size > 0:
+        raise ValueError(f"generator ranks start at {generator.first_rank}, inside the trainer's "
+                         f"{trainer.world_size} ranks {both}")
+
+
+def _trainer_index(spec: ModelSpec, trainer: TrainerLayout):
+    """hf_name -> [(hf_start, hf_stop, [(tp, pp, megatron_name, offset)...])]: who holds which rows."""
+    ranges: dict[str, dict[tuple[int, int], list]] = defaultdict(dict)
+    meg = trainer.megatron()
+    for pp in range(trainer.pipeline_parallel_size):
+        for tp in range(trainer.tensor_parallel_size):
+            for name, shard in L.megatron_shards(spec, meg, tp, pp).items():
+                if name == "output_layer.weight" and spec.tie_word_embeddings:
+                    continue  # a copy of the embedding on the last stage: the first stage sends it
+                offset = 0
+                for seg in shard.segments:
+                    if seg.hf_name is not None:
+                        ranges[seg.hf_name].setdefault((seg.start, seg.stop), []).append((tp, pp, name, offset))
+                    offset += seg.length
+    return {h: sorted((a, b, holders) for (a, b), holders in r.items()) for h, r in ranges.items()}
+
+
+def _aligned(offset: int, length: int, size: int) -> bool:
+    return offset % BLOCK == 0 and (length % BLOCK == 0 or offset + length == size)
+
+
+@functools.lru_cache(maxsize=16)
+def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayout) -> Plan:
+    validate(spec, trainer, generator)
+    index = _trainer_index(spec, trainer)
+    gtp = generator.tensor_parallel_size
+    # Pieces of one replica, per generator TP rank (the same for every replica): (runtime name, dst offset,
+    # length, dim, row_numel, [(tp, pp, megatron name, src offset)]).
+    runtime_by_tp = {j: L.sglang_shards(spec, gtp, j) for j in range(gtp)}
+    template: dict[int, list] = {}
+    quantized: set[str] = set()
+    for j, tensors in runtime_by_tp.items():
+        rows = []
+        for name, shard in tensors.items():
+            row_numel = shard.numel // shard.shape[shard.dim]
+            size = shard.shape[shard.dim]
+            tensor_rows = []
+            dst_offset = 0
+            for seg in shard.segments:
+                if seg.hf_name is None:  # vocabulary padding: nothing to send, the receiver zero-fills
+                    dst_offset += seg.length
+                    continue
+                cursor = seg.start
+                for start, stop, holders in index[seg.hf_name]:
+                    if stop <= cursor or start >= seg.stop:
+                        continue
+                    a, b = max(start, cursor), min(stop, seg.stop)
+                    if a != cursor:
+                        raise AssertionError(f"rows {cursor}:{a} of {seg.hf_name} are held by no trainer rank")
+                    sources = [(tp, pp, n, off + a - start) for tp, pp, n, off in holders]
+                    tensor_rows.append((name, dst_offset + a - seg.start, b - a, shard.dim, row_numel, size, sources))
+                    cursor = b
+                dst_offset += seg.length
+            if generator.fp8 and name.endswith(FP8_SUFFIXES) and \
+                    all(_aligned(r[1], r[2], r[5]) for r in tensor_rows) and row_numel % BLOCK == 0:
+                quantized.add(name)
+            rows.extend(tensor_rows)
+        template[j] = rows
+
+    sent: dict[int, int] = defaultdict(int)
+    pieces: list[Piece] = []
+    runtime: dict[int, dict[str, L.ShardLayout]] = {}
+    for replica in range(generator.num_replicas):
+        for j in range(gtp):
+            dst = generator.rank(replica, j)
+            runtime[dst] = runtime_by_tp[j]
+            for name, dst_offset, length, dim, row_numel, _size, sources in template[j]:
+                quantize = name in quantized
+                nbytes = piece_nbytes(length, row_numel, quantize, trainer.dtype_bytes)
+                candidates = [(trainer.rank(dp, pp, tp), n, off) for tp, pp, n, off in sources
+                              for dp in range(trainer.data_parallel_size)]
+                src, src_tensor, src_offset = min(candidates, key=lambda c: (sent[c[0]], c[0]))
+                sent[src] += nbytes
+                pieces.append(Piece(src, dst, src_tensor, src_offset, name, dst_offset, length, dim, row_numel,
+                                    quantize, nbytes))
+    return Plan(spec, trainer, generator, pieces, runtime, frozenset(quantized))
+
+
+def summarize(plan: Plan, inter_node_gbps: float = 400.0, nvlink_gbps: float = 3600.0,
+              gpus_per_node: int = 8) -> dict:
+    """Bytes and an estimated time: each GPU's busiest direction over its link (full duplex), links of
+    GPUs on the same node at NVLink speed and across nodes at the inter-node speed (Gb/s per GPU)."""
+    send, recv = defaultdict(int), defaultdict(int)
+    send_time, recv_time = defaultdict(float), defaultdict(float)
+    for p in plan.pieces:
+        same_node = p.src // gpus_per_node == p.dst // gpus_per_node
+        rate = (nvlink_gbps if same_node else inter_node_gbps) * 1e9 / 8
+        send[p.src] += p.nbytes
+        recv[p.dst] += p.nbytes
+        send_time[p.src] += p.nbytes / rate
+        recv_time[p.dst] += p.nbytes / rate
+    return {
+        "total_bytes": sum(send.values()),
+        "max_send_bytes": max(send.values(), default=0),
+        "max_recv_bytes": max(recv.values(), default=0),
+        "num_transfers": len(plan.pieces),
+        "estimated_seconds": max(list(send_time.values()) + list(recv_time.values()), default=0.0),
+    }
+
+
+def gather_broadcast_baseline(plan: Plan, inter_node_gbps: float = 400.0) -> dict:
+    """The design DDMA replaces: gather the whole model on one trainer rank, convert it, then broadcast the
+    full model to every generator GPU (each narrows locally). Pipelined broadcast: every link carries the
+    model once; the gather funnels the model through the root's link."""
+    spec, t, g = plan.spec, plan.trainer, plan.generator
+    params = spec.num_parameters()
+    gathered = params * t.dtype_bytes
+    broadcast = params * (1 if g.fp8 else t.dtype_bytes)
+    rate = inter_node_gbps * 1e9 / 8
+    shards = t.tensor_parallel_size * t.pipeline_parallel_size
+    return {
+        "total_bytes": gathered + broadcast * g.world_size,
+        "max_send_bytes": broadcast,
+        "max_recv_bytes": max(gathered, broadcast),
+        "num_transfers": shards + g.world_size,
+        "estimated_seconds": gathered / rate + broadcast / rate,
+    }
