@@ -1,6 +1,6 @@
 """Point-to-point transport for DDMA, behind a small interface so that a CUDA-IPC or RDMA transport can
 replace it. The torch.distributed one posts every send and receive of a round at once
-(`batch_isend_irecv`: gloo on CPU, NCCL on GPU) and counts the bytes each rank moves. Buffers are byte
+(gloo on CPU, NCCL on GPU) and counts the bytes each rank moves. Buffers are byte
 views of the source and destination tensors themselves, so contiguous pieces are never copied."""
 
 from __future__ import annotations
@@ -22,16 +22,21 @@ class Transport(Protocol):
 
 
 class TorchDistTransport:
+    """Over a torch.distributed ProcessGroup: the default world, or a standalone group that spans trainer
+    and generator ranks (the controller's sync group). Peers are ranks of that group."""
+
+    TAG = 7
+
     def __init__(self, group=None):
         self.group = group
         self.bytes_sent = 0
         self.bytes_received = 0
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
-        ops = [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
-        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        pg = self.group if self.group is not None else dist.group.WORLD
+        works = [pg.send([buf], peer, self.TAG) for peer, buf in sends]
+        works += [pg.recv([buf], peer, self.TAG) for peer, buf in recvs]
+        for work in works:
+            work.wait()
         self.bytes_sent += sum(b.numel() for _, b in sends)
         self.bytes_received += sum(b.numel() for _, b in recvs)

@@ -19,7 +19,7 @@ from megatron_rl import algorithms
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
 from megatron_rl.trainer.policy import Policy, optimizer_step, run_microbatches
 
-LOSSES = ("aipo", "aipo-clamp", "ppo")
+LOSSES = ("aipo", "aipo-clamp", "ppo", "sft")
 
 
 @dataclasses.dataclass
@@ -103,7 +103,9 @@ def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch
     logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1], targets, vocab_size, algo.temperature)
     mask, blp, adv = mb["loss_mask"], mb["behavior_logprobs"], mb["advantages"]
     kwargs = dict(aggregation=algo.aggregation, normalizer=normalizer, constant=float(targets.shape[1]))
-    if algo.loss == "aipo":
+    if algo.loss == "sft":  # supervised warm-up: negative log-likelihood of the masked tokens
+        loss = algorithms.aggregate(-logprobs, mask, algo.aggregation, normalizer, kwargs["constant"])
+    elif algo.loss == "aipo":
         loss, _ = algorithms.aipo_loss(logprobs, blp, adv, mask, rho=algo.rho, **kwargs)
     elif algo.loss == "aipo-clamp":
         loss, _ = algorithms.aipo_clamp_loss(logprobs, blp, adv, mask, rho=algo.rho, **kwargs)

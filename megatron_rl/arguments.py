@@ -1,0 +1,172 @@
+"""Megatron-style command line: Megatron-LM's flag names and meanings where a Megatron flag exists, grouped
+like Megatron's, plus the RL groups (rollout, algorithm, reward, data, DDMA). Every SGLang server flag passes
+through as --sglang-<flag> (collected into `args.sglang`). Validation at start names flags and values."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_rl.train",
+        description="Asynchronous off-policy RL (AIPO) on Megatron-Core. Launch with torchrun: the first "
+                    "TP x PP x DP ranks train, the rest generate (rollout TP x replicas).",
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="tiny-arith",
+                   help="architecture: a name from megatron_rl.models.spec.MODELS, 'tiny-arith' (the CPU demo), "
+                        "or an HF checkpoint directory (see --load-hf)")
+    g.add_argument("--num-layers", type=int, help="override the architecture's layer count")
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--num-query-groups", type=int)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--seq-length", type=int, default=64, help="max prompt + response tokens")
+
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=16)
+    g.add_argument("--global-batch-size", type=int, default=64,
+                   help="rollouts per optimizer step (prompts per step x --n-samples-per-prompt)")
+    g.add_argument("--train-iters", type=int, default=40, help="RL optimizer steps")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+
+    g = p.add_argument_group("learning rate and optimizer")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"])
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+    g = p.add_argument_group("supervised warm-up")
+    g.add_argument("--sft-warmup-iters", type=int, default=0, help="supervised steps before RL")
+    g.add_argument("--sft-lr", type=float, default=3e-3)
+    g.add_argument("--sft-batch-size", type=int, default=64)
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--load", help="resume from this megatron-rl checkpoint directory")
+    g.add_argument("--load-hf", help="initial policy weights from an HF checkpoint directory")
+    g.add_argument("--save", help="save checkpoints here")
+    g.add_argument("--save-interval", type=int, default=0)
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--output-dir", default=os.environ.get("OUTPUT_DIR", "outputs/run"),
+                   help="metrics.jsonl, eval.json and plots (env OUTPUT_DIR)")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--wandb-project")
+    g.add_argument("--wandb-exp-name")
+    g.add_argument("--wandb-save-dir")
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--log-param-checksum", action="store_true",
+                   help="log a float64 sum of all policy weights after each step (for determinism checks)")
+    g.add_argument("--log-rollouts", action="store_true",
+                   help="write every consumed or discarded rollout's contract fields to rollouts.jsonl")
+
+    g = p.add_argument_group("rollout")
+    g.add_argument("--rollout-backend", choices=["local", "sglang"], default="local")
+    g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--rollout-num-replicas", type=int, default=1)
+    g.add_argument("--rollout-fp8", action="store_true", help="generators serve block-FP8 weights")
+    g.add_argument("--rollout-temperature", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-max-response-len", type=int, default=8)
+    g.add_argument("--n-samples-per-prompt", type=int, default=4)
+    g.add_argument("--rollout-max-running", type=int, default=64, help="requests decoded together per engine")
+
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--loss", choices=["aipo", "aipo-clamp", "ppo"], default="aipo")
+    g.add_argument("--aipo-rho", type=float, default=4.0, help="one-sided importance weight clip (paper: 2-10)")
+    g.add_argument("--ppo-clip-eps", type=float, default=0.2)
+    g.add_argument("--advantage-estimator", choices=["group-baseline", "grpo", "rloo"], default="group-baseline")
+    g.add_argument("--loss-aggregation", choices=["token-mean", "seq-mean-token-mean", "seq-sum-constant"],
+                   default="token-mean")
+    g.add_argument("--kl-coef", type=float, default=0.0)
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--async-mode", choices=["on", "off"], default="on",
+                   help="on: generation overlaps training (off-policy, AIPO-corrected); off: the synchronous "
+                        "on-policy baseline")
+    g.add_argument("--max-staleness", type=int, default=1, help="max versions between trainer and oldest token")
+    g.add_argument("--max-oversample", type=int, default=4,
+                   help="sample up to this many x the step's prompts to replace groups without signal")
+    g.add_argument("--keep-uniform-groups", action="store_true",
+                   help="train on groups whose rewards are all equal (zero advantage) instead of dropping them")
+
+    g = p.add_argument_group("reward")
+    g.add_argument("--reward-fn", default="math", help="registered name or module:function")
+    g.add_argument("--reward-num-workers", type=int, default=2)
+    g.add_argument("--reward-timeout", type=int, default=5, help="seconds per verdict (whole seconds)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", help="JSONL prompts ({prompt, answer}); default: the synthetic arithmetic task")
+    g.add_argument("--task-min-digits", type=int, default=1)
+    g.add_argument("--task-max-digits", type=int, default=2)
+    g.add_argument("--task-operands", type=int, default=2)
+    g.add_argument("--eval-size", type=int, default=200, help="held-out problems evaluated before and after RL")
+    g.add_argument("--tokenizer", help="HF tokenizer directory (default: the character tokenizer)")
+
+    g = p.add_argument_group("ddma")
+    g.add_argument("--ddma-bucket-mb", type=int, default=256)
+    g.add_argument("--ddma-debug-checksums", action="store_true")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    args.sglang, rest = {}, []
+    i = 0
+    while i < len(unknown):
+        item = unknown[i]
+        if item.startswith("--sglang-"):
+            key, _, value = item[len("--sglang-"):].partition("=")
+            if not value and i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
+                value, i = unknown[i + 1], i + 1
+            args.sglang[key.replace("-", "_")] = value or True
+        else:
+            rest.append(item)
+        i += 1
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    validate(args, parser)
+    return args
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    def positive(flag):
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
+                 "--global-batch-size", "--rollout-tensor-parallel-size", "--rollout-num-replicas",
+                 "--n-samples-per-prompt", "--rollout-max-response-len", "--reward-timeout"):
+        positive(flag)
+    if args.global_batch_size % args.n_samples_per_prompt:
+        parser.error(f"--global-batch-size {args.global_batch_size} is not a multiple of --n-samples-per-prompt "
+                     f"{args.n_samples_per_prompt}")
+    if args.n_samples_per_prompt < 2:
+        parser.error(f"--n-samples-per-prompt must be >= 2 for a group baseline, got {args.n_samples_per_prompt}")
+    if args.async_mode == "off" and args.max_staleness != 0:
+        args.max_staleness = 0  # the synchronous baseline is on-policy by construction
+    if args.save_interval and not args.save:
+        parser.error("--save-interval needs --save")
+    if args.rollout_backend == "sglang":
+        parser.error("--rollout-backend sglang is not available yet in this version (see README, Status)")
+    if args.rollout_temperature <= 0:
+        parser.error(f"--rollout-temperature must be > 0 for RL sampling, got {args.rollout_temperature}")

@@ -1,0 +1,128 @@
+"""The rollout buffer: scored rollouts wait here, grouped per prompt, until the trainer consumes them.
+
+Every rollout carries the trajectory contract (shared/DESIGN.md): prompt id, sampled ids, the behavior
+log-prob of each token and its convention, the weight version of each token, loss mask, finish reason,
+reward and its status, and the times needed for age. A group (all samples of one prompt) is released to
+the trainer whole; on release the gates of `megatron_rl.algorithms.gates` run, and every dropped sample
+keeps its reason:
+- stale: the oldest token version lags the trainer by more than `max_staleness` versions;
+- infrastructure failure: the reward could not be computed (excluded, never a reward of 0);
+- a group left with fewer than two valid samples, or whose rewards are all equal (no signal under a
+  group baseline), is dropped whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter, OrderedDict
+
+from megatron_rl.algorithms import lag_histogram
+from megatron_rl.algorithms.gates import failure_gate, version_gate
+from megatron_rl.rewards import INFRASTRUCTURE_FAILURES
+
+
+@dataclasses.dataclass
+class Rollout:
+    prompt_id: str
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    logprob_convention: str
+    temperature: float
+    reference: str = ""
+    loss_mask: list[bool] | None = None  # None: every generated token is an action
+    reward: float | None = None
+    reward_status: str | None = None
+    num_retractions: int = 0
+    created_at: float = dataclasses.field(default_factory=time.time)
+    finished_at: float | None = None
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions) if self.versions else -1
+
+    @property
+    def failed(self) -> bool:
+        return self.reward_status in INFRASTRUCTURE_FAILURES or self.finish_reason == "failure"
+
+
+@dataclasses.dataclass
+class Batch:
+    groups: list[list[Rollout]]
+    discards: Counter
+    lag_histogram: dict[int, int]
+    age_seconds_mean: float
+    popped: int = 0  # complete groups taken out of the buffer, released or dropped
+    sampled_rewards: list = dataclasses.field(default_factory=list)  # of every popped rollout with a reward
+    outcomes: list = dataclasses.field(default_factory=list)  # (rollout, None if trained else the reason)
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        return [r for g in self.groups for r in g]
+
+
+class RolloutBuffer:
+    def __init__(self, group_size: int, max_staleness: int, drop_uniform_groups: bool = True):
+        if group_size < 2:
+            raise ValueError(f"--n-samples-per-prompt must be >= 2 for a group baseline, got {group_size}")
+        if max_staleness < 0:
+            raise ValueError(f"--max-staleness must be >= 0, got {max_staleness}")
+        self.group_size, self.max_staleness = group_size, max_staleness
+        self.drop_uniform_groups = drop_uniform_groups
+        self._groups: OrderedDict[str, list[Rollout]] = OrderedDict()
+        self.discards: Counter = Counter()  # cumulative, by reason
+
+    def add(self, rollout: Rollout) -> None:
+        group = self._groups.setdefault(rollout.prompt_id, [])
+        if any(r.sample_index == rollout.sample_index for r in group):
+            raise ValueError(f"duplicate rollout {rollout.prompt_id}#{rollout.sample_index}")
+        group.append(rollout)
+
+    def complete_groups(self) -> int:
+        return sum(len(g) == self.group_size for g in self._groups.values())
+
+    def pending(self) -> int:
+        return sum(len(g) for g in self._groups.values())
+
+    def take(self, num_groups: int, trainer_version: int, drop_uniform: bool | None = None) -> Batch:
+        """Release up to `num_groups` complete groups (oldest first) after the gates. `drop_uniform=False`
+        keeps groups whose rewards are all equal (zero advantage) for this call."""
+        drop_uniform = self.drop_uniform_groups if drop_uniform is None else drop_uniform
+        now = time.time()
+        released, discards, lags, ages, rewards, outcomes = [], Counter(), [], [], [], []
+        for prompt_id in [p for p, g in self._groups.items() if len(g) == self.group_size][:num_groups]:
+            group = sorted(self._groups.pop(prompt_id), key=lambda r: r.sample_index)
+            lags += [r.oldest_version for r in group]
+            rewards += [r.reward for r in group if not r.failed and r.reward is not None]
+            gate = version_gate(trainer_version, [r.oldest_version for r in group], self.max_staleness) & \
+                failure_gate(["failure" if r.failed else "ok" for r in group], ("failure",))
+            kept = [r for r, keep in zip(group, gate.keep.tolist()) if keep]
+            discards.update(r.split(":")[0] for r in gate.reasons if r)
+            outcomes += [(r, reason) for r, reason in zip(group, gate.reasons) if reason]
+            group_reason = None
+            if len(kept) < 2:
+                group_reason = "group too small after gates"
+            elif drop_uniform and len({r.reward for r in kept}) == 1:
+                group_reason = "group rewards all equal"
+            outcomes += [(r, group_reason) for r in kept]
+            if group_reason:
+                discards[group_reason] += len(kept)
+                continue
+            ages += [now - r.created_at for r in kept]
+            released.append(kept)
+        self.discards.update(discards)
+        popped = len(lags) // self.group_size
+        return Batch(released, discards, lag_histogram(trainer_version, lags), sum(ages) / max(len(ages), 1), popped,
+                     rewards, outcomes)
+
+    def state_dict(self) -> dict:
+        return {"groups": {p: [dataclasses.asdict(r) for r in g] for p, g in self._groups.items()},
+                "discards": dict(self.discards)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._groups = OrderedDict((p, [Rollout(**r) for r in g]) for p, g in state["groups"].items())
+        self.discards = Counter(state["discards"])

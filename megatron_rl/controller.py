@@ -1,0 +1,569 @@
+"""The single controller (LlamaRL figure 2) on native PyTorch: one torchrun launch, three executors.
+
+- trainer ranks [0, T): Megatron-Core policy (TP x PP x DP); rank 0 is also the controller: it owns the
+  prompts, the reward pool (worker processes), the rollout buffer and the metrics;
+- generator ranks [T, T + G): LocalEngine replicas with their own TP;
+- channels (over a gloo group spanning all ranks): controller -> generators carries requests and weight
+  versions; generators -> controller carries finished rollouts; DDMA moves the weights.
+
+Data flows one way: prompts -> generators -> reward -> buffer -> trainer -> DDMA -> generators.
+
+Asynchronous mode: the next step's prompts are dispatched before the trainer trains, so generation
+overlaps training; after each optimizer step DDMA publishes the new version; generators retract their
+in-flight requests, take the weights between two decode steps, and resume them (partial rollouts: tokens
+keep the version that produced them). Synchronous mode (--async-mode off) is the same loop with prompts
+dispatched only after the new weights are published: every rollout is on-policy (lag 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import zlib
+from collections import Counter, defaultdict
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.buffer import Rollout, RolloutBuffer
+from megatron_rl.channels import Channel
+from megatron_rl.ddma.plan import GeneratorLayout, TrainerLayout, make_plan
+from megatron_rl.ddma.sync import publish
+from megatron_rl.ddma.transport import TorchDistTransport
+from megatron_rl.models.spec import ModelSpec, get_model_spec
+from megatron_rl.roles import Roles, init_roles
+from megatron_rl.rollout.types import SamplingParams
+
+TAG_CONTROL, TAG_ROLLOUTS = 11, 12
+
+
+def stable_seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+# ---- set-up shared by all roles ------------------------------------------------------------------------------------
+
+def load_tokenizer(args):
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def model_spec(args, tokenizer) -> ModelSpec:
+    if args.load_hf:
+        with open(os.path.join(args.load_hf, "config.json")) as f:
+            spec = ModelSpec.from_hf_config(json.load(f), name=os.path.basename(os.path.normpath(args.load_hf)))
+    elif args.model == "tiny-arith":
+        spec = ModelSpec("tiny-arith", "llama", hidden_size=128, num_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, ffn_hidden_size=384, vocab_size=len(tokenizer),
+                         max_position_embeddings=args.seq_length)
+    else:
+        spec = get_model_spec(args.model)
+    overrides = {k: v for k, v in (("num_layers", args.num_layers), ("hidden_size", args.hidden_size),
+                                   ("ffn_hidden_size", args.ffn_hidden_size),
+                                   ("num_attention_heads", args.num_attention_heads),
+                                   ("num_key_value_heads", args.num_query_groups)) if v is not None}
+    spec = spec.replace(**overrides) if overrides else spec
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but model {spec.name!r} has vocab_size "
+                         f"{spec.vocab_size}")
+    return spec
+
+
+def ddma_plan(args, spec: ModelSpec, roles: Roles):
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    trainer = TrainerLayout(tp, pp, roles.trainer_world_size // (tp * pp), args.make_vocab_size_divisible_by,
+                            dtype_bytes=2 if args.bf16 else 4,
+                            decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+                            decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers)
+    generator = GeneratorLayout(args.rollout_tensor_parallel_size, args.rollout_num_replicas, args.rollout_fp8,
+                                first_rank=roles.trainer_world_size)
+    return make_plan(spec, trainer, generator)
+
+
+# ---- generator executor -----------------------------------------------------------------------------------------
+
+class GeneratorExecutor:
+    def __init__(self, args, roles: Roles, spec: ModelSpec, tokenizer):
+        from megatron_rl.rollout.decoder import TPDecoder
+        from megatron_rl.rollout.engine import LocalEngine
+
+        self.args, self.roles, self.spec = args, roles, spec
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        decoder = TPDecoder(spec, args.rollout_tensor_parallel_size, roles.rollout_tp_rank, roles.replica_group,
+                            dtype=dtype, fp8=args.rollout_fp8, max_slots=args.rollout_max_running + 1,
+                            max_seq_len=args.seq_length)
+        self.engine = LocalEngine(decoder, eos_token_ids=[tokenizer.eos_token_id], seed=args.seed)
+        self.dtype = dtype
+        self.plan = ddma_plan(args, spec, roles)
+        self.control = Channel(roles.sync_group, TAG_CONTROL, last_kind="stop")
+        self.rollouts = Channel(roles.sync_group, TAG_ROLLOUTS)
+        self.stats = {"busy_s": 0.0, "idle_s": 0.0, "sync_s": 0.0, "tokens": 0}
+
+    def _messages(self) -> list:
+        """The leader reads control messages (blocking only when there is nothing to decode) and shares
+        them with the replica's other TP ranks, which then make exactly the same calls."""
+        msgs = []
+        if self.roles.is_leader:
+            if not self.engine.has_work():
+                start = time.perf_counter()
+                msgs.append(self.control.recv(0)[0])
+                self.stats["idle_s"] += time.perf_counter() - start
+            while (m := self.control.poll(0)) is not None:
+                msgs.append(m[0])
+        if self.args.rollout_tensor_parallel_size > 1:
+            box = [msgs]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.roles.replica_group, 0),
+                                       group=self.roles.replica_group)
+            msgs = box[0]
+        return msgs
+
+    def run(self) -> None:
+        meta: dict[str, dict] = {}
+        while True:
+            for kind, payload in self._messages():
+                if kind == "requests":
+                    for rid, prompt, params, m in payload:
+                        self.engine.add_request(prompt, SamplingParams(**params), rid)
+                        meta[rid] = m
+                elif kind == "sync":
+                    start = time.perf_counter()
+                    self.engine.pause("retract")
+                    publish(self.plan, self.roles.rank, payload, engine=self.engine,
+                            transport=TorchDistTransport(self.roles.sync_group), dtype=self.dtype,
+                            bucket_bytes=self.args.ddma_bucket_mb * 2**20,
+                            debug_checksums=self.args.ddma_debug_checksums)
+                    self.engine.continue_generation()
+                    self.stats["sync_s"] += time.perf_counter() - start
+                elif kind == "stop":
+                    if self.roles.is_leader:
+                        self.rollouts.send(("stopped", dict(self.stats)), 0)
+                        self.rollouts.flush()
+                    return
+            if self.engine.has_work() and not self.engine.paused:
+                start = time.perf_counter()
+                finished = self.engine.step()
+                self.stats["busy_s"] += time.perf_counter() - start
+                if finished and self.roles.is_leader:
+                    self.stats["tokens"] += sum(len(o.token_ids) for o in finished)
+                    self.rollouts.send(("rollouts", ([(o, meta.pop(o.request_id)) for o in finished],
+                                                     dict(self.stats))), 0)
+                elif finished:
+                    for o in finished:
+                        meta.pop(o.request_id)
+
+
+# ---- trainer executor (rank 0 is the controller) --------------------------------------------------------------------
+
+@dataclasses.dataclass
+class StepTimes:
+    wait_s: float = 0.0  # trainer idle: waiting for rollouts
+    reward_s: float = 0.0
+    train_s: float = 0.0
+    sync_s: float = 0.0
+
+
+class TrainerExecutor:
+    def __init__(self, args, roles: Roles, spec: ModelSpec, tokenizer):
+        from megatron_rl import parallel
+        from megatron_rl.trainer.policy import build_policy
+        from megatron_rl.trainer.train_step import AlgorithmConfig, PolicyTrainer, build_scheduler
+
+        self.args, self.roles, self.spec, self.tokenizer = args, roles, spec, tokenizer
+        layout = parallel.ParallelLayout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        parallel.initialize(layout, spec, seed=args.seed)
+        init = None
+        if args.load_hf:
+            from megatron_rl.models.safetensors_io import HFCheckpoint
+            from megatron_rl.trainer.weights import load_hf_weights
+
+            reader = HFCheckpoint(args.load_hf)
+            init = lambda m: load_hf_weights(m, spec, reader.get_slice,  # noqa: E731
+                                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        policy = build_policy(spec, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                              clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                              adam_eps=args.adam_eps, bf16=args.bf16,
+                              use_distributed_optimizer=args.use_distributed_optimizer,
+                              make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, init_weights=init)
+        self.scheduler = build_scheduler(policy, args.lr_warmup_iters, args.train_iters, args.lr_decay_style)
+        self.rl_algo = AlgorithmConfig(loss=args.loss, rho=args.aipo_rho, clip_eps=args.ppo_clip_eps,
+                                       aggregation=args.loss_aggregation, kl_coef=args.kl_coef,
+                                       entropy_coef=args.entropy_coef, temperature=args.rollout_temperature)
+        self.sft_algo = AlgorithmConfig(loss="sft")
+        self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler)
+        self.plan = ddma_plan(args, spec, roles)
+        self.version = -1
+        if roles.is_controller:
+            self.controller = Controller(args, roles, tokenizer, self)
+
+    # Collective commands: rank 0 decides and broadcasts; every trainer rank executes the same command.
+    def command(self, name: str, payload=None):
+        dist.broadcast_object_list([(name, payload)], src=0)
+        return self._execute(name, payload)
+
+    def run(self) -> None:
+        if self.roles.is_controller:
+            try:
+                self.controller.run()
+            finally:
+                self.command("stop")
+            return
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            name, payload = box[0]
+            if name == "stop":
+                return
+            self._execute(name, payload)
+
+    def param_checksum(self) -> float:
+        """Sum of every weight of the model (each shard counted once), in float64."""
+        from megatron.core import parallel_state as ps
+
+        total = torch.zeros(1, dtype=torch.float64)
+        for name, p in self.trainer.policy.module.named_parameters():
+            replicated = "norm" in name and ps.get_tensor_model_parallel_rank() != 0
+            tied_copy = name == "output_layer.weight" and self.spec.tie_word_embeddings
+            if not replicated and not tied_copy:
+                total += p.detach().double().sum()
+        dist.all_reduce(total, group=ps.get_model_parallel_group())
+        return float(total)
+
+    def _execute(self, name: str, payload):
+        if name == "train":
+            self.trainer.algo, self.trainer.scheduler = self.rl_algo, self.scheduler
+            metrics = self.trainer.train_step(payload)
+            if self.args.log_param_checksum:
+                metrics["param_checksum"] = self.param_checksum()
+            return metrics
+        if name == "sft":
+            batch, lr = payload
+            self.trainer.algo, self.trainer.scheduler = self.sft_algo, None
+            for group in self.trainer.policy.optimizer.param_groups:
+                group["lr"] = lr
+            return self.trainer.train_step(batch)
+        if name == "publish":
+            self.version = payload
+            params = {n: p.detach() for n, p in self.trainer.policy.module.named_parameters()}
+            return publish(self.plan, self.roles.rank, payload, trainer_tensors=params,
+                           transport=TorchDistTransport(self.roles.sync_group),
+                           bucket_bytes=self.args.ddma_bucket_mb * 2**20,
+                           debug_checksums=self.args.ddma_debug_checksums)
+        if name == "stop":
+            return None
+        raise ValueError(f"unknown trainer command {name!r}")
+
+
+# ---- the controller (trainer rank 0) ---------------------------------------------------------------------------------
+
+class PromptSource:
+    """RL prompts (a JSONL dataset, or the arithmetic task), held-out eval prompts, and SFT examples."""
+
+    SFT_OFFSET = 10**7  # SFT examples are drawn from a separate index range of the task's train split
+
+    def __init__(self, args):
+        from megatron_rl.data.arithmetic import ArithmeticTask
+        from megatron_rl.data.jsonl import JsonlDataset
+
+        self.dataset = JsonlDataset(args.data_path, seed=args.seed) if args.data_path else None
+        self.task = ArithmeticTask(seed=args.seed, min_digits=args.task_min_digits, max_digits=args.task_max_digits,
+                                   num_operands=args.task_operands)
+        self.cursor = 0
+        self.sft_cursor = 0
+
+    def next(self, n: int) -> list[dict]:
+        if self.dataset is not None:
+            return [dict(r, id=str(r["id"])) for r in self.dataset.next(n)]
+        out = self.task.problems(self.cursor, n)
+        self.cursor += n
+        return out
+
+    def eval(self, n: int) -> list[dict]:
+        return [] if self.dataset is not None else self.task.problems(0, n, "eval")
+
+    def sft(self, n: int) -> list[dict]:
+        if self.dataset is not None:
+            raise ValueError("--sft-warmup-iters needs the arithmetic task (no --data-path)")
+        out = self.task.problems(self.SFT_OFFSET + self.sft_cursor, n)
+        self.sft_cursor += n
+        return out
+
+
+class Controller:
+    def __init__(self, args, roles: Roles, tokenizer, trainer: TrainerExecutor):
+        from megatron_rl.logging import MetricsLogger
+        from megatron_rl.rewards import MathScorer, load_reward_fn
+
+        self.args, self.roles, self.tokenizer, self.trainer = args, roles, tokenizer, trainer
+        self.source = PromptSource(args)
+        self.buffer = RolloutBuffer(args.n_samples_per_prompt, args.max_staleness, not args.keep_uniform_groups)
+        if args.reward_fn == "math":
+            self.scorer = MathScorer(args.reward_num_workers, args.reward_timeout)
+            self.reward_fn = self.scorer.score
+        else:
+            self.scorer, self.reward_fn = None, load_reward_fn(args.reward_fn)
+        self.control = Channel(roles.sync_group, TAG_CONTROL)
+        self.rollouts = Channel(roles.sync_group, TAG_ROLLOUTS)
+        self.leaders = [roles.leader(r) for r in range(args.rollout_num_replicas)]
+        self.prompts_per_step = args.global_batch_size // args.n_samples_per_prompt
+        self.outstanding = 0  # RL prompts dispatched whose group has not left the buffer
+        self.eval_rewards: dict[str, float] = {}
+        self.gen_stats: dict[int, dict] = {}
+        self.version = -1
+        self.consumed = 0
+        self.dispatched = Counter()  # prompt id -> times dispatched (each prompt exactly once)
+        self.logger = MetricsLogger(args.output_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
+                                    args.tensorboard_dir, config={k: v for k, v in vars(args).items()
+                                                                  if isinstance(v, (int, float, str, bool))})
+        self._next_leader = 0
+
+    # -- generators --------------------------------------------------------------------------------------------
+    def encode_prompt(self, text: str) -> list[int]:
+        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
+        return bos + self.tokenizer.encode(text, add_special_tokens=False)
+
+    def dispatch(self, problems: list[dict], samples: int, params: dict, eval_: bool = False) -> None:
+        by_leader = defaultdict(list)
+        for problem in problems:
+            pid = str(problem["id"])
+            if not eval_:
+                self.dispatched[pid] += 1
+            prompt = self.encode_prompt(problem["prompt"])
+            leader = self.leaders[self._next_leader % len(self.leaders)]
+            self._next_leader += 1
+            for k in range(samples):
+                rid = f"{'eval:' if eval_ else ''}{pid}#{k}"
+                meta = {"prompt_id": pid, "sample_index": k, "reference": problem["answer"], "eval": eval_,
+                        "dispatched_at": time.time()}
+                by_leader[leader].append((rid, prompt, dict(params, seed=stable_seed(self.args.seed, rid)), meta))
+        for leader, requests in by_leader.items():
+            self.control.send(("requests", requests), leader)
+
+    def rl_params(self) -> dict:
+        a = self.args
+        return {"temperature": a.rollout_temperature, "top_k": a.rollout_top_k, "top_p": a.rollout_top_p,
+                "max_new_tokens": a.rollout_max_response_len, "stop_token_ids": (self.tokenizer.eos_token_id,)}
+
+    def top_up(self, target: int) -> None:
+        """Keep `target` RL prompts in flight."""
+        if target > self.outstanding:
+            self.dispatch(self.source.next(target - self.outstanding), self.args.n_samples_per_prompt,
+                          self.rl_params())
+            self.outstanding = target
+
+    def receive(self, times: StepTimes | None = None) -> None:
+        """Take one message from any generator; score and buffer its rollouts."""
+        start = time.perf_counter()
+        (kind, payload), src = self.rollouts.recv()
+        waited = time.perf_counter() - start
+        if kind == "stopped":
+            self.gen_stats[src] = payload
+            return
+        outputs, stats = payload
+        self.gen_stats[src] = stats
+        start = time.perf_counter()
+        texts = [self.tokenizer.decode([t for t in o.token_ids if t != self.tokenizer.eos_token_id])
+                 for o, _ in outputs]
+        results = self.reward_fn(texts, [m["reference"] for _, m in outputs])
+        if times is not None:
+            times.wait_s += waited
+            times.reward_s += time.perf_counter() - start
+        for (out, meta), result in zip(outputs, results):
+            if meta["eval"]:
+                self.eval_rewards[meta["prompt_id"]] = result.reward if not result.is_failure else float("nan")
+                continue
+            self.buffer.add(Rollout(
+                prompt_id=meta["prompt_id"], sample_index=meta["sample_index"],
+                prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids, logprobs=out.logprobs,
+                versions=out.versions, finish_reason=out.finish_reason, logprob_convention=out.logprob_convention,
+                temperature=self.args.rollout_temperature, reference=meta["reference"], reward=result.reward,
+                reward_status=result.status, num_retractions=out.num_retractions,
+                created_at=meta["dispatched_at"], finished_at=time.time()))
+
+    def log_outcomes(self, outcomes) -> None:
+        if not self.args.log_rollouts:
+            return
+        if not hasattr(self, "_rollout_log"):
+            self._rollout_log = open(os.path.join(self.args.output_dir, "rollouts.jsonl"), "w")
+        for r, reason in outcomes:
+            self._rollout_log.write(json.dumps({
+                "prompt_id": r.prompt_id, "sample_index": r.sample_index, "versions": r.versions,
+                "consumed_at_version": self.version, "lag": self.version - r.oldest_version,
+                "outcome": reason or "trained", "reward": r.reward, "reward_status": r.reward_status,
+                "finish_reason": r.finish_reason, "num_retractions": r.num_retractions,
+                "logprob_convention": r.logprob_convention, "response_tokens": len(r.token_ids)}) + "\n")
+        self._rollout_log.flush()
+
+    def publish(self) -> float:
+        start = time.perf_counter()
+        self.version += 1
+        for leader in self.leaders:
+            self.control.send(("sync", self.version), leader)
+        self.trainer.command("publish", self.version)
+        return time.perf_counter() - start
+
+    # -- phases --------------------------------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        problems = self.source.eval(self.args.eval_size)
+        if not problems:
+            return float("nan")
+        self.eval_rewards = {}
+        greedy = {"temperature": 0.0, "max_new_tokens": self.args.rollout_max_response_len,
+                  "stop_token_ids": (self.tokenizer.eos_token_id,)}
+        self.dispatch(problems, 1, greedy, eval_=True)
+        while len(self.eval_rewards) < len(problems):
+            self.receive()
+        values = [v for v in self.eval_rewards.values() if v == v]
+        return sum(v == 1.0 for v in values) / max(len(values), 1)
+
+    def sft_warmup(self) -> None:
+        from tqdm import tqdm
+
+        from megatron_rl.trainer.train_step import TrainBatch
+
+        eos = self.tokenizer.eos_token_id
+        bar = tqdm(range(self.args.sft_warmup_iters), desc="SFT warm-up", dynamic_ncols=True)
+        for _ in bar:
+            problems = self.source.sft(self.args.sft_batch_size)
+            prompts = [self.encode_prompt(p["prompt"]) for p in problems]
+            answers = [self.tokenizer.encode(p["answer"], add_special_tokens=False) + [eos] for p in problems]
+            batch = TrainBatch.from_sequences(prompts, answers, [[0.0] * len(a) for a in answers],
+                                              [1.0] * len(problems))
+            metrics = self.trainer.command("sft", (batch, self.args.sft_lr))
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+
+    def train_batch(self, groups: list[list[Rollout]]):
+        from megatron_rl.algorithms import compute_advantages
+        from megatron_rl.trainer.train_step import TrainBatch
+
+        rollouts = [r for g in groups for r in g]
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+        group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+        advantages = compute_advantages(rewards, group_ids, self.args.advantage_estimator)
+        return TrainBatch.from_sequences([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts],
+                                         [r.logprobs for r in rollouts], advantages.tolist(),
+                                         [r.loss_mask for r in rollouts] if any(r.loss_mask for r in rollouts)
+                                         else None)
+
+    def rl_step(self, step: int, run_start: float) -> dict:
+        P, ahead = self.prompts_per_step, self.args.async_mode == "on"
+        times, start = StepTimes(), time.perf_counter()
+        groups, discards, lags, sampled_rewards, popped = [], Counter(), Counter(), [], 0
+        while len(groups) < P:
+            # Dynamic sampling: replace groups without signal, up to --max-oversample x P groups per step; past
+            # that, uniform groups (zero advantage: no gradient) fill the batch.
+            exhausted = popped >= self.args.max_oversample * P
+            self.top_up(P - len(groups) + (P if ahead else 0))
+            while self.buffer.complete_groups() == 0:
+                self.receive(times)
+            batch = self.buffer.take(P - len(groups), self.version, drop_uniform=None if not exhausted else False)
+            popped += batch.popped
+            self.outstanding -= batch.popped
+            groups += batch.groups
+            discards.update(batch.discards)
+            lags.update(batch.lag_histogram)
+            sampled_rewards += batch.sampled_rewards
+            self.log_outcomes(batch.outcomes)
+        if ahead:
+            self.top_up(P)  # the next step's prompts generate while this step trains
+        t = time.perf_counter()
+        train_metrics = self.trainer.command("train", self.train_batch(groups))
+        times.train_s = time.perf_counter() - t
+        times.sync_s = self.publish()
+        if not ahead:
+            self.top_up(P)
+        rollouts = [r for g in groups for r in g]
+        self.consumed += len(rollouts)
+        step_s = time.perf_counter() - start
+        gen = {k: sum(s.get(k, 0) for s in self.gen_stats.values()) for k in ("busy_s", "idle_s", "sync_s", "tokens")}
+        prev, self._prev_gen = getattr(self, "_prev_gen", dict.fromkeys(gen, 0)), gen
+        gen_delta = {k: gen[k] - prev[k] for k in gen}
+        return {
+            "weight_version": self.version, "consumed_samples": self.consumed, "time_s": time.time() - run_start,
+            # over every rollout sampled for this step (the policy's performance), and over those trained on
+            # (uniform-reward groups carry no signal and are dropped)
+            "reward_mean": sum(sampled_rewards) / len(sampled_rewards),
+            "accuracy": sum(r == 1.0 for r in sampled_rewards) / len(sampled_rewards),
+            "reward_mean_trained": sum(r.reward for r in rollouts) / len(rollouts),
+            "response_length_mean": sum(len(r.token_ids) for r in rollouts) / len(rollouts),
+            "retracted_fraction": sum(r.num_retractions > 0 for r in rollouts) / len(rollouts),
+            "step_time_s": step_s,
+            "trainer_time": {"wait_for_rollouts_s": times.wait_s, "reward_s": times.reward_s,
+                             "train_s": times.train_s, "sync_s": times.sync_s},
+            "generator_time": {"generate_s": gen_delta["busy_s"], "idle_s": gen_delta["idle_s"],
+                               "sync_s": gen_delta["sync_s"]},
+            "generation_tokens_per_s": gen_delta["tokens"] / step_s,
+            "train_tokens_per_s": train_metrics["tokens_per_s"],
+            "staleness_histogram": {str(k): v for k, v in sorted(lags.items())},
+            "discards": dict(discards),
+            "train": {k: v for k, v in train_metrics.items() if isinstance(v, (int, float))},
+        }
+
+    def run(self) -> None:
+        from tqdm import tqdm
+
+        args = self.args
+        self.publish()  # generators start empty: version 0 is the initial policy
+        if args.sft_warmup_iters:
+            self.sft_warmup()
+            self.publish()
+        accuracy_before = self.evaluate()
+        print(f"held-out accuracy before RL: {accuracy_before:.3f}", flush=True)
+        run_start = time.time()
+        bar = tqdm(range(1, args.train_iters + 1), desc=f"AIPO ({'async' if args.async_mode == 'on' else 'sync'})",
+                   dynamic_ncols=True)
+        for step in bar:
+            metrics = self.rl_step(step, run_start)
+            self.logger.log(step, metrics)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
+                            lag=max(map(int, metrics["staleness_histogram"]), default=0))
+        accuracy_after = self.evaluate()
+        print(f"held-out accuracy after RL: {accuracy_after:.3f}", flush=True)
+        with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
+            json.dump({"accuracy_before_rl": accuracy_before, "accuracy_after_rl": accuracy_after,
+                       "eval_size": args.eval_size, "train_iters": args.train_iters, "async_mode": args.async_mode,
+                       "rl_seconds": time.time() - run_start,
+                       "prompts_dispatched": len(self.dispatched),
+                       "prompts_dispatched_more_than_once": sum(c > 1 for c in self.dispatched.values()),
+                       "prompts_in_flight_at_end": self.outstanding,
+                       "discards": dict(self.buffer.discards)}, f, indent=2)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        for leader in self.leaders:
+            self.control.send(("stop", None), leader)
+        stopped = 0
+        while stopped < len(self.leaders):  # drain what generators still send, until each says it stopped
+            (kind, payload), src = self.rollouts.recv()
+            stopped += kind == "stopped"
+        self.control.flush()
+        self.logger.close()
+        if self.scorer is not None:
+            self.scorer.close()
+
+
+def run(args) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    generators = args.rollout_tensor_parallel_size * args.rollout_num_replicas
+    trainer_world = world - generators
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if trainer_world < 1 or trainer_world % (tp * pp):
+        raise ValueError(f"world size {world} leaves {trainer_world} trainer ranks after {generators} generator "
+                         f"ranks (--rollout-tensor-parallel-size x --rollout-num-replicas); it must be a positive "
+                         f"multiple of --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}")
+    tokenizer = load_tokenizer(args)
+    spec = model_spec(args, tokenizer)
+    roles = init_roles(trainer_world, args.rollout_tensor_parallel_size, args.rollout_num_replicas)
+    if roles.is_controller:
+        os.makedirs(args.output_dir, exist_ok=True)
+        tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
+    executor = TrainerExecutor(args, roles, spec, tokenizer) if roles.is_trainer else \
+        GeneratorExecutor(args, roles, spec, tokenizer)
+    executor.run()
+    dist.destroy_process_group()

@@ -1,0 +1,78 @@
+"""Process groups of one launch: which ranks train, which generate, and the group that joins them.
+
+Under one `torchrun` launch (one node or many: torchrun's own multi-node flags), global ranks
+[0, T) are the trainer and [T, T + G) the generators, G = rollout TP x replicas. Each role initializes its
+own default process group on a prefix of the launch's rendezvous store, so Megatron-Core sees exactly the
+trainer's ranks (its collectives, e.g. the optimizer's all_gather_object, never involve a generator), and
+each generator replica gets a TP group inside the generators' world. A separate gloo group spanning every
+rank carries the channels and the DDMA transfers; its ranks are the global ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class Roles:
+    rank: int
+    world_size: int
+    trainer_world_size: int
+    rollout_tp: int
+    rollout_replicas: int
+    sync_group: object  # gloo ProcessGroup over all ranks
+    replica_group: object | None = None  # this generator replica's TP group (generator ranks only)
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank < self.trainer_world_size
+
+    @property
+    def is_controller(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def replica(self) -> int:
+        return (self.rank - self.trainer_world_size) // self.rollout_tp
+
+    @property
+    def rollout_tp_rank(self) -> int:
+        return (self.rank - self.trainer_world_size) % self.rollout_tp
+
+    def leader(self, replica: int) -> int:
+        return self.trainer_world_size + replica * self.rollout_tp
+
+    @property
+    def is_leader(self) -> bool:
+        return not self.is_trainer and self.rollout_tp_rank == 0
+
+
+def init_roles(trainer_world_size: int, rollout_tp: int, rollout_replicas: int, backend: str | None = None,
+               timeout_minutes: int = 30) -> Roles:
+    store, rank, world = next(dist.rendezvous("env://"))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store.set_timeout(timeout)
+    generators = rollout_tp * rollout_replicas
+    if trainer_world_size + generators != world:
+        raise ValueError(f"world size {world} != trainer ranks {trainer_world_size} + generator ranks "
+                         f"{generators} (--rollout-tensor-parallel-size {rollout_tp} x --rollout-num-replicas "
+                         f"{rollout_replicas})")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if rank < trainer_world_size:
+        dist.init_process_group(backend, store=dist.PrefixStore("trainer/", store), rank=rank,
+                                world_size=trainer_world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.PrefixStore("generator/", store), rank=rank - trainer_world_size,
+                                world_size=generators, timeout=timeout)
+    sync = dist.ProcessGroupGloo(dist.PrefixStore("sync/", store), rank, world, timeout)
+    roles = Roles(rank, world, trainer_world_size, rollout_tp, rollout_replicas, sync)
+    if not roles.is_trainer:
+        for r in range(rollout_replicas):  # new_group is collective over the generators' world
+            group = dist.new_group(list(range(r * rollout_tp, (r + 1) * rollout_tp)))
+            if r == roles.replica:
+                roles.replica_group = group
+    return roles

@@ -1,0 +1,23 @@
+"""Entry point: `torchrun --nproc-per-node N -m megatron_rl.train [flags]` (python -m megatron_rl.train --help)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    from megatron_rl.arguments import parse_args
+
+    args = parse_args(argv)
+    from megatron_rl.controller import run
+
+    try:
+        run(args)
+    except ValueError as e:  # configuration errors: one clear line, no stack trace
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: the dist-checkpoint writer re-imports __main__
+    raise SystemExit(main())
