@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-max-response-len", type=int, default=8)
     g.add_argument("--n-samples-per-prompt", type=int, default=4)
     g.add_argument("--rollout-max-running", type=int, default=64, help="requests decoded together per engine")
+    g.add_argument("--partial-rollout-max-tokens", type=int, default=None,
+                   help="a request yields its slot after this many tokens per weight version and resumes after "
+                        "the next update (chunked partial rollouts against stragglers)")
 
     g = p.add_argument_group("algorithm")
     g.add_argument("--loss", choices=["aipo", "aipo-clamp", "ppo"], default="aipo")

@@ -99,7 +99,8 @@ class GeneratorExecutor:
         decoder = TPDecoder(spec, args.rollout_tensor_parallel_size, roles.rollout_tp_rank, roles.replica_group,
                             dtype=dtype, fp8=args.rollout_fp8, max_slots=args.rollout_max_running + 1,
                             max_seq_len=args.seq_length)
-        self.engine = LocalEngine(decoder, eos_token_ids=[tokenizer.eos_token_id], seed=args.seed)
+        self.engine = LocalEngine(decoder, eos_token_ids=[tokenizer.eos_token_id], seed=args.seed,
+                                  chunk_tokens=args.partial_rollout_max_tokens)
         self.dtype = dtype
         self.plan = ddma_plan(args, spec, roles)
         self.control = Channel(roles.sync_group, TAG_CONTROL, last_kind="stop")

@@ -206,3 +206,21 @@ def test_fp8_engine_logprobs_stay_close_to_full_precision(tmp_path):
     fp8.load_weights(sent)
     fp8.end_weight_update(version=1)
     torch.testing.assert_close(torch.log_softmax(fp8.logits(tokens), -1), q, atol=0, rtol=0)
+
+
+def test_chunked_partial_rollouts_yield_to_waiting_requests_and_resume(model_dir):
+    directory, model = model_dir
+    engine = LocalEngine.from_hf(str(directory), max_slots=2, chunk_tokens=3)  # one decoding slot
+    long_rid = engine.add_request(PROMPTS[0], GREEDY)
+    short_rid = engine.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    done = []
+    for _ in range(3):
+        done += engine.step()
+    # after 3 tokens the long request yielded its only slot: the short one ran and finished first
+    for _ in range(3):
+        done += engine.step()
+    assert [o.request_id for o in done] == [short_rid]
+    while engine.has_work():  # nothing else waits: the chunked request resumes without a weight update
+        done += engine.step()
+    long_out = [o for o in done if o.request_id == long_rid][0]
+    assert long_out.token_ids == _hf_greedy(model, PROMPTS[0], 12)  # recomputed prefix, same tokens

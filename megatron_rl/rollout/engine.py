@@ -41,6 +41,7 @@ class _Request:
     slot: int | None = None
     cached: int = 0  # tokens whose K/V are in the slot
     retractions: int = 0
+    this_version: int = 0  # tokens generated under the current weights (for chunking)
 
     def output(self, reason: str) -> RolloutOutput:
         return RolloutOutput(self.rid, list(self.prompt), list(self.generated), list(self.logprobs),
@@ -48,7 +49,11 @@ class _Request:
 
 
 class LocalEngine:
-    def __init__(self, decoder: TPDecoder, eos_token_ids: Iterable[int] = (), seed: int = 0):
+    def __init__(self, decoder: TPDecoder, eos_token_ids: Iterable[int] = (), seed: int = 0,
+                 chunk_tokens: int | None = None):
+        """`chunk_tokens`: a request that generated this many tokens under the current weights yields its slot
+        (it waits, keeping its tokens, until the next weight update, or until nothing else is waiting), so
+        long generations do not hold back short ones: the paper's chunked partial rollouts."""
         self.decoder = decoder
         self.spec = decoder.spec
         self.eos_token_ids = tuple(eos_token_ids)
@@ -60,11 +65,14 @@ class LocalEngine:
         self._free_slots = list(range(decoder.max_slots - 1))  # the last slot is reserved for score()
         self._ids = itertools.count()
         self._staged: dict[str, torch.Tensor] | None = None
+        self.chunk_tokens = chunk_tokens
+        self._deferred: list[_Request] = []
 
     # ---- construction ---------------------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf_dir: str, tp_size: int = 1, group=None, dtype: torch.dtype = torch.float32,
-                fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512, seed: int = 0) -> "LocalEngine":
+                fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512, seed: int = 0,
+                chunk_tokens: int | None = None) -> "LocalEngine":
         """Load an HF checkpoint. tp_size > 1: call on every rank of `group` (default: the whole world)."""
         ckpt = HFCheckpoint(hf_dir)
         spec = ModelSpec.from_hf_config(ckpt.config)
@@ -84,7 +92,7 @@ class LocalEngine:
         decoder.install(params)
         eos = ckpt.config.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(decoder, eos_ids, seed)
+        return cls(decoder, eos_ids, seed, chunk_tokens)
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -103,7 +111,7 @@ class LocalEngine:
         return rid
 
     def has_work(self) -> bool:
-        return bool(self._queue or self._running)
+        return bool(self._queue or self._running or self._deferred)
 
     @property
     def num_running(self) -> int:
@@ -122,12 +130,15 @@ class LocalEngine:
         req.generated.append(token)
         req.logprobs.append(logprob)
         req.versions.append(self.weight_version)
+        req.this_version += 1
 
     def step(self) -> list[RolloutOutput]:
         """Admit queued requests into free slots (prefill), then one batched decode step. Returns the
         requests that finished in this step."""
         if self.paused or self._staged is not None:
             return []
+        if self._deferred and not self._queue and not self._running:
+            self._resume_deferred()  # nothing else is waiting: chunked requests go on
         finished: list[RolloutOutput] = []
         admitted = []
         while self._queue and self._free_slots:
@@ -158,7 +169,11 @@ class LocalEngine:
         still = []
         for r in self._running:
             reason = self._finish_reason(r)
-            if reason is None:
+            if reason is None and self.chunk_tokens and r.this_version >= self.chunk_tokens:
+                self._free_slots.append(r.slot)  # chunk boundary: yield the slot, keep the tokens
+                r.slot, r.cached = None, 0
+                self._deferred.append(r)
+            elif reason is None:
                 still.append(r)
             else:
                 self._free_slots.append(r.slot)
@@ -166,6 +181,12 @@ class LocalEngine:
                 finished.append(r.output(reason))
         self._running = still
         return finished
+
+    def _resume_deferred(self) -> None:
+        for r in self._deferred:
+            r.this_version = 0
+        self._queue.extend(self._deferred)
+        self._deferred = []
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[RolloutOutput]:
         """Run the given prompts to completion (with whatever else is queued); outputs in prompt order."""
@@ -191,8 +212,9 @@ class LocalEngine:
             self._free_slots.append(r.slot)
             r.slot, r.cached = None, 0
         if mode == "abort":
-            aborted = [r.output("abort") for r in running + list(self._queue)]
+            aborted = [r.output("abort") for r in running + list(self._queue) + self._deferred]
             self._queue.clear()
+            self._deferred = []
             return aborted
         for r in reversed(running):
             r.retractions += 1
@@ -223,6 +245,9 @@ class LocalEngine:
         staged, self._staged = self._staged, None
         self.decoder.install(staged)
         self.weight_version = version
+        for r in self._running + list(self._queue):
+            r.this_version = 0
+        self._resume_deferred()
 
     def abort_weight_update(self) -> None:
         self._staged = None
