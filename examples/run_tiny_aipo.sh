@@ -8,18 +8,14 @@
 #
 # Writes $OUTPUT_DIR/{metrics.jsonl,eval.json,reward_curve.png} (default outputs/tiny_aipo).
 set -euo pipefail
+source "$(dirname "$0")/launch_common.sh"
 
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/tiny_aipo}
-NPROC_PER_NODE=${NPROC_PER_NODE:-3}
+GPUS_PER_NODE=${GPUS_PER_NODE:-3}  # processes: 2 trainer ranks + 1 generator
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29511}
-
-DISTRIBUTED_ARGS=(
-    --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-)
 MODEL_ARGS=(
     --model tiny-arith --seq-length 32
 )
@@ -28,8 +24,8 @@ PARALLEL_ARGS=(
     --rollout-tensor-parallel-size 1 --rollout-num-replicas 1
 )
 TRAINING_ARGS=(
-    --sft-warmup-iters 150 --sft-lr 3e-3 --sft-batch-size 64
-    --train-iters 40 --global-batch-size 64 --micro-batch-size 32 --lr 2e-4 --clip-grad 1.0 --seed 1234
+    --sft-warmup-iters 300 --sft-lr 3e-3 --sft-batch-size 64
+    --train-iters 150 --global-batch-size 64 --micro-batch-size 32 --lr 5e-4 --clip-grad 1.0 --seed 1234
 )
 RL_ARGS=(
     --loss aipo --aipo-rho 4 --advantage-estimator group-baseline --async-mode on --max-staleness 1
@@ -41,12 +37,12 @@ DATA_ARGS=(
 )
 
 run() {
-    torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_rl.train \
-        "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${RL_ARGS[@]}" "${DATA_ARGS[@]}" \
+    launch "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${RL_ARGS[@]}" "${DATA_ARGS[@]}" \
         --output-dir "$1" "${@:2}"
 }
 
 run "$OUTPUT_DIR" "$@"
+[[ " $* " == *" --dry-run "* ]] && exit 0
 if [[ "${COMPARE_SYNC:-0}" == "1" ]]; then
     run "$OUTPUT_DIR/sync" --async-mode off "$@"
     python -m megatron_rl.plot "$OUTPUT_DIR" --baseline "$OUTPUT_DIR/sync"

@@ -5,6 +5,7 @@ through as --sglang-<flag> (collected into `args.sglang`). Validation at start n
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 
@@ -15,6 +16,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "TP x PP x DP ranks train, the rest generate (rollout TP x replicas).",
         allow_abbrev=False,
     )
+    g = p.add_argument_group("config")
+    g.add_argument("--config", help="a JSON file of flag defaults, by path or by name in configs/ (e.g. llama3-405b); "
+                                    "flags on the command line override it")
+    g.add_argument("--dry-run", action="store_true",
+                   help="validate the layout and print the rank map, per-GPU memory and the DDMA plan; no weights")
+    g.add_argument("--world-size", type=int, help="for --dry-run: the launch's world size (default: env WORLD_SIZE)")
+
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny-arith",
                    help="architecture: a name from megatron_rl.models.spec.MODELS, 'tiny-arith' (the CPU demo), "
@@ -129,8 +137,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+CONFIG_DIRS = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"), "configs"]
+
+
+def load_config(name_or_path: str, parser: argparse.ArgumentParser) -> dict:
+    candidates = [name_or_path] + [os.path.join(d, name_or_path + ".json") for d in CONFIG_DIRS]
+    path = next((c for c in candidates if os.path.isfile(c)), None)
+    if path is None:
+        parser.error(f"--config {name_or_path!r}: no such file, and no configs/{name_or_path}.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        parser.error(f"--config {path}: invalid JSON ({e})")
+    known = {a.dest for a in parser._actions}
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        parser.error(f"--config {path}: unknown field(s) {unknown} (fields are flag names with '_' for '-')")
+    return config
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        parser.set_defaults(**load_config(pre.config, parser))
     args, unknown = parser.parse_known_args(argv)
     args.sglang, rest = {}, []
     i = 0

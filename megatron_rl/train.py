@@ -9,9 +9,13 @@ def main(argv=None) -> int:
     from megatron_rl.arguments import parse_args
 
     args = parse_args(argv)
-    from megatron_rl.controller import run
-
     try:
+        if args.dry_run:
+            from megatron_rl.dry_run import main as dry_run
+
+            return dry_run(args)
+        from megatron_rl.controller import run
+
         run(args)
     except ValueError as e:  # configuration errors: one clear line, no stack trace
         print(f"error: {e}", file=sys.stderr)

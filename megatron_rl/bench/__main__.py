@@ -1,4 +1,4 @@
-"""python -m megatron_rl.bench {ddma,engine,reward,all} [--quick]: prints one JSON object per benchmark, last line = all."""
+"""python -m megatron_rl.bench {async,ddma,engine,reward,all} [--quick]: prints one JSON object per benchmark, last line = all."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-BENCHMARKS = ("ddma", "engine", "reward")
+BENCHMARKS = ("async", "ddma", "engine", "reward")
 
 
 def main(argv=None) -> int:
@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     names = BENCHMARKS if args.which == "all" else (args.which,)
     combined = {}
     for name in names:
-        module = __import__(f"megatron_rl.bench.{name}", fromlist=["run"])
+        module = __import__(f"megatron_rl.bench.{'async_rl' if name == 'async' else name}", fromlist=["run"])
         result = module.run(quick=args.quick)
         combined[name] = result
         print(json.dumps({name: result}), flush=True)

@@ -1,0 +1,52 @@
+"""Asynchronous vs synchronous RL step time on the same model and batch, with the theoretical bound.
+
+Two short runs of `megatron_rl.train` (trainer TP=2 on 2 processes, one generator, the tiny model, no
+warm-up), identical except --async-mode. From the synchronous run: t_gen = generator busy time per step,
+t_train = trainer time per step (train + sync + reward); the bound on the speed-up of overlapping them is
+(t_gen + t_train) / max(t_gen, t_train). Both runs keep uniform-reward groups so that every step trains
+on exactly one batch (no dynamic re-sampling), which keeps the work per step equal.
+
+On a 2-core machine the three processes share two cores, so generation and training cannot fully run in
+parallel; the bound assumes they can. Reported as measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def _run(out_dir: str, mode: str, iters: int) -> list[dict]:
+    from megatron_rl.launch import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
+           "-m", "megatron_rl.train", "--tensor-model-parallel-size", "2", "--train-iters", str(iters),
+           "--global-batch-size", "64", "--micro-batch-size", "32", "--n-samples-per-prompt", "4",
+           "--rollout-max-response-len", "16", "--task-max-digits", "2", "--eval-size", "4", "--keep-uniform-groups",
+           "--async-mode", mode, "--max-staleness", "1", "--output-dir", out_dir]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if r.returncode != 0:
+        raise RuntimeError(f"{mode} run failed:\n{r.stderr[-3000:]}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run(quick: bool = False) -> dict:
+    iters = 6 if quick else 12
+    skip = 2  # warm-up steps excluded from the means
+    with tempfile.TemporaryDirectory() as d:
+        sync = _run(os.path.join(d, "sync"), "off", iters)[skip:]
+        asyn = _run(os.path.join(d, "async"), "on", iters)[skip:]
+    mean = lambda rows, f: sum(f(r) for r in rows) / len(rows)  # noqa: E731
+    t_sync = mean(sync, lambda r: r["step_time_s"])
+    t_async = mean(asyn, lambda r: r["step_time_s"])
+    t_gen = mean(sync, lambda r: r["generator_time"]["generate_s"])
+    t_train = mean(sync, lambda r: r["trainer_time"]["train_s"] + r["trainer_time"]["sync_s"]
+                   + r["trainer_time"]["reward_s"])
+    bound = (t_gen + t_train) / max(t_gen, t_train)
+    speedup = t_sync / t_async
+    return {"sync_step_s": t_sync, "async_step_s": t_async, "t_gen_s": t_gen, "t_train_s": t_train,
+            "speedup": speedup, "bound": bound, "fraction_of_bound": speedup / bound, "steps_measured": len(sync)}

@@ -1,0 +1,116 @@
+"""`--dry-run`: the whole plan of a launch without a single weight: the layout checked against the world
+size and the model, the rank map, memory per GPU for trainer and generators, and the DDMA estimate.
+
+Memory per GPU (weights, gradients and optimizer state; activations and the KV cache depend on batch and
+sequence and are not included): the trainer rank with the most parameters (exact shards from the layout
+mapping, vocabulary padding included) holds its weights (2 bytes in bf16, 4 in fp32), fp32 gradients (4) and
+Adam's fp32 main weights and two moments (12 in bf16, 8 in fp32), the latter divided by DP with the
+distributed optimizer. A generator TP rank holds its runtime weights: 1 byte per parameter of block-FP8
+linear weights (plus their scales) and 2 bytes for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+
+from megatron_rl.ddma.plan import gather_broadcast_baseline, make_plan, summarize
+from megatron_rl.models import layout as L
+from megatron_rl.rollout.decoder import FP8_SUFFIXES
+
+GIB = 2**30
+
+
+def trainer_memory(spec, layout: L.MegatronLayout, dp: int, bf16: bool, distributed_optimizer: bool) -> dict:
+    params = max(sum(s.numel for s in L.megatron_shards(spec, layout, 0, pp).values())
+                 for pp in range(layout.pipeline_parallel_size))
+    weights = params * (2 if bf16 else 4)
+    grads = params * 4
+    optimizer = params * (12 if bf16 else 8) / (dp if distributed_optimizer else 1)
+    return {"params": params, "weights_gib": weights / GIB, "grads_gib": grads / GIB,
+            "optimizer_gib": optimizer / GIB, "total_gib": (weights + grads + optimizer) / GIB}
+
+
+def generator_memory(spec, tp: int, fp8: bool) -> dict:
+    shards = L.sglang_shards(spec, tp, 0)
+    params = sum(s.numel for s in shards.values())
+    fp8_params = sum(s.numel for n, s in shards.items() if fp8 and n.endswith(FP8_SUFFIXES))
+    scales = sum(-(-s.shape[0] // 128) * -(-s.shape[1] // 128) for n, s in shards.items()
+                 if fp8 and n.endswith(FP8_SUFFIXES))
+    total = fp8_params + scales * 4 + (params - fp8_params) * 2
+    return {"params": params, "weights_gib": total / GIB}
+
+
+def dry_run(args, world_size: int) -> dict:
+    import copy
+    import os
+
+    from megatron_rl.controller import ddma_plan, model_spec
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+    from megatron_rl.roles import Roles
+
+    # No file is needed: the architecture comes from --load-hf's config.json if it is here, else from --model.
+    args = copy.copy(args)
+    if args.load_hf and not os.path.isfile(os.path.join(args.load_hf, "config.json")):
+        args.load_hf = None
+    spec = model_spec(args, build_char_tokenizer())
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    gtp, replicas = args.rollout_tensor_parallel_size, args.rollout_num_replicas
+    trainer_world = world_size - gtp * replicas
+    if trainer_world < 1 or trainer_world % (tp * pp):
+        raise ValueError(f"world size {world_size} leaves {trainer_world} trainer ranks after {gtp * replicas} "
+                         f"generator ranks (--rollout-tensor-parallel-size {gtp} x --rollout-num-replicas "
+                         f"{replicas}); it must be a positive multiple of --tensor-model-parallel-size {tp} x "
+                         f"--pipeline-model-parallel-size {pp}")
+    dp = trainer_world // (tp * pp)
+    layout = L.MegatronLayout(tp, pp, args.make_vocab_size_divisible_by, False,
+                              args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    layout.validate(spec)
+    roles = Roles(0, world_size, trainer_world, gtp, replicas, None)
+    plan = ddma_plan(args, spec, roles)
+    ddma = summarize(plan)
+    ddma["baseline"] = gather_broadcast_baseline(plan)
+    generator_ranks = [[roles.leader(r), roles.leader(r) + gtp - 1] for r in range(replicas)]
+    report = {
+        "model": spec.name, "parameters": spec.num_parameters(), "world_size": world_size,
+        "rank_map": {
+            "trainer": {"ranks": [0, trainer_world - 1], "tensor_parallel": tp, "pipeline_parallel": pp,
+                        "data_parallel": dp, "pipeline_stage_layers": layout.stage_sizes(spec),
+                        "controller": 0},
+            "generators": {"replicas": replicas, "tensor_parallel": gtp, "fp8": args.rollout_fp8,
+                           "ranks": generator_ranks if replicas <= 8 else generator_ranks[:4] + ["..."]
+                           + generator_ranks[-2:]},
+            "reward": f"{args.reward_num_workers} worker processes beside trainer rank 0",
+        },
+        "memory_per_gpu": {
+            "trainer": trainer_memory(spec, layout, dp, args.bf16, args.use_distributed_optimizer),
+            "generator": generator_memory(spec, gtp, args.rollout_fp8),
+        },
+        "ddma": ddma,
+    }
+    return report
+
+
+def main(args) -> int:
+    import os
+
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "0"))
+    if world < 1:
+        raise ValueError("--dry-run needs the world size: --world-size N or env WORLD_SIZE")
+    report = dry_run(args, world)
+    m = report["memory_per_gpu"]
+    rm = report["rank_map"]
+    print(f"model {report['model']} ({report['parameters'] / 1e9:.2f}B parameters), world size {world}")
+    print(f"trainer ranks {rm['trainer']['ranks']}: TP={rm['trainer']['tensor_parallel']} "
+          f"PP={rm['trainer']['pipeline_parallel']} DP={rm['trainer']['data_parallel']}, stage layers "
+          f"{rm['trainer']['pipeline_stage_layers']}; controller on rank 0")
+    print(f"generator replicas: {rm['generators']['replicas']} x TP={rm['generators']['tensor_parallel']}"
+          f"{' FP8' if rm['generators']['fp8'] else ''}, ranks {rm['generators']['ranks']}")
+    print(f"memory per GPU: trainer {m['trainer']['total_gib']:.1f} GiB (weights {m['trainer']['weights_gib']:.1f}, "
+          f"grads {m['trainer']['grads_gib']:.1f}, optimizer {m['trainer']['optimizer_gib']:.1f}); "
+          f"generator weights {m['generator']['weights_gib']:.1f} GiB")
+    d = report["ddma"]
+    print(f"DDMA: {d['num_transfers']} transfers, {d['total_bytes'] / 1e9:.1f} GB, busiest GPU sends "
+          f"{d['max_send_bytes'] / 1e9:.2f} GB / receives {d['max_recv_bytes'] / 1e9:.2f} GB, estimated "
+          f"{d['estimated_seconds']:.2f} s (gather-and-broadcast: {d['baseline']['estimated_seconds']:.2f} s)")
+    print(json.dumps(report))
+    return 0

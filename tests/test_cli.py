@@ -1,0 +1,81 @@
+"""The Megatron-style command line: groups and flag names, clean errors, configs, --dry-run (the per-GPU
+memory of the 8B layout checked by hand), and every example script's flags through the real parser."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.arguments import parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "megatron_rl.train", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_help_shows_megatron_groups_and_flags():
+    r = _cli("--help")
+    assert r.returncode == 0
+    for text in ("distributed:", "learning rate and optimizer:", "checkpointing:", "rollout:", "algorithm:",
+                 "reward:", "ddma:", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--micro-batch-size", "--global-batch-size", "--save-interval", "--wandb-project",
+                 "--tensorboard-dir", "--rollout-tensor-parallel-size", "--rollout-fp8", "--aipo-rho",
+                 "--max-staleness", "--advantage-estimator"):
+        assert text in r.stdout, text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1"),
+    (["--global-batch-size", "10", "--n-samples-per-prompt", "4"], "--global-batch-size 10 is not a multiple"),
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1, got 0"),
+    (["--config", "no-such-config"], "--config 'no-such-config': no such file"),
+])
+def test_bad_flags_fail_with_clear_messages(args, message):
+    r = _cli(*args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_inconsistent_layout_fails_at_start():
+    r = _cli("--config", "llama3-8b", "--dry-run", "--world-size", "12", "--rollout-num-replicas", "5")
+    assert r.returncode == 2
+    assert "world size 12 leaves 7 trainer ranks" in r.stderr and "--tensor-model-parallel-size 2" in r.stderr
+    r = _cli("--model", "llama3-8b", "--tensor-model-parallel-size", "3", "--dry-run", "--world-size", "4")
+    assert r.returncode == 2 and "does not divide" in r.stderr
+
+
+def test_config_by_name_is_overridden_by_flags_and_sglang_flags_pass_through():
+    args = parse_args(["--config", "llama3-405b", "--lr", "1e-7", "--sglang-mem-fraction-static", "0.8",
+                       "--sglang-enable-torch-compile"])
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (8, 16)
+    assert args.lr == 1e-7 and args.rollout_fp8 and args.bf16
+    assert args.sglang == {"mem_fraction_static": "0.8", "enable_torch_compile": True}
+
+
+def test_dry_run_memory_for_8b_matches_hand_computation():
+    r = _cli("--config", "llama3-8b", "--dry-run", "--world-size", "16", "--rollout-num-replicas", "8")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    # Llama-3.1 8B at TP=2: every matrix is split in two, the 2 x 32 + 1 RMSNorm weights of 4096 are
+    # replicated; the vocabulary 128256 is already a multiple of 128 x 2 (no padding).
+    total, norms = 8_030_261_248, (2 * 32 + 1) * 4096
+    per_gpu = (total - norms) // 2 + norms
+    trainer = report["memory_per_gpu"]["trainer"]
+    assert trainer["params"] == per_gpu == 4_015_263_744
+    # bf16 weights (2 B) + fp32 grads (4 B) + fp32 main weights and Adam moments (12 B) / DP=4
+    assert trainer["total_gib"] * 2**30 == pytest.approx(per_gpu * (2 + 4 + 12 / 4))
+    assert report["rank_map"]["trainer"]["data_parallel"] == 4
+    assert report["rank_map"]["generators"]["ranks"][0] == [8, 8]
+    assert report["ddma"]["estimated_seconds"] < report["ddma"]["baseline"]["estimated_seconds"]
+
+
+@pytest.mark.parametrize("script", ["run_tiny_aipo.sh", "run_8b_aipo.sh", "run_70b_aipo.sh", "run_405b_aipo.sh"])
+def test_example_scripts_parse_and_dry_run(script):
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples", script), "--dry-run"], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "memory per GPU" in r.stdout and "DDMA" in r.stdout and "trainer ranks" in r.stdout

@@ -1,0 +1,36 @@
+"""Metrics go to JSONL always, and to tensorboard and (offline) wandb when asked; plots are written."""
+
+import json
+import os
+
+from megatron_rl.logging import MetricsLogger, flatten
+
+
+def test_metrics_reach_jsonl_tensorboard_and_offline_wandb(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = MetricsLogger(str(tmp_path / "run"), wandb_project="megatron-rl-test", wandb_save_dir=str(tmp_path),
+                           tensorboard_dir=str(tmp_path / "tb"), config={"lr": 1e-3})
+    logger.log(1, {"reward_mean": 0.5, "time": {"train_s": 1.0}, "staleness_histogram": {"0": 3}, "note": "x"})
+    logger.log(2, {"reward_mean": 0.75, "time": {"train_s": 0.5}})
+    logger.close()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["time"] == {"train_s": 1.0}
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run")]
+    assert runs and any(f.endswith(".wandb") for f in os.listdir(tmp_path / "wandb" / runs[0]))
+
+
+def test_flatten_keeps_numbers_only():
+    assert flatten({"a": 1, "b": {"c": 2.5, "d": "text"}, "e": True}) == {"a": 1, "b/c": 2.5}
+
+
+def test_plot_writes_a_png(tmp_path):
+    from megatron_rl.plot import plot
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            for step in range(1, 4):
+                f.write(json.dumps({"step": step, "time_s": step, "reward_mean": step / 4, "accuracy": step / 5}) + "\n")
+    out = plot({"async": str(tmp_path / "a"), "sync": str(tmp_path / "b")}, str(tmp_path / "curve.png"))
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
