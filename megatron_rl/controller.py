@@ -27,6 +27,7 @@ from collections import Counter, defaultdict
 import torch
 import torch.distributed as dist
 
+from megatron_rl.algorithms import lag_summary
 from megatron_rl.buffer import Rollout, RolloutBuffer
 from megatron_rl.channels import Channel
 from megatron_rl.ddma.plan import GeneratorLayout, TrainerLayout, make_plan
@@ -319,6 +320,8 @@ class Controller:
         self.version = -1
         self.consumed = 0
         self.dispatched = Counter()  # prompt id -> times dispatched (each prompt exactly once)
+        self._gen_totals = dict.fromkeys(("busy_s", "idle_s", "sync_s", "tokens"), 0.0)  # at the previous step
+        self._rollout_log = open(os.path.join(args.output_dir, "rollouts.jsonl"), "w") if args.log_rollouts else None
         self.logger = MetricsLogger(args.output_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
                                     args.tensorboard_dir, config={k: v for k, v in vars(args).items()
                                                                   if isinstance(v, (int, float, str, bool))})
@@ -388,10 +391,8 @@ class Controller:
                 created_at=meta["dispatched_at"], finished_at=time.time()))
 
     def log_outcomes(self, outcomes) -> None:
-        if not self.args.log_rollouts:
+        if self._rollout_log is None:
             return
-        if not hasattr(self, "_rollout_log"):
-            self._rollout_log = open(os.path.join(self.args.output_dir, "rollouts.jsonl"), "w")
         for r, reason in outcomes:
             self._rollout_log.write(json.dumps({
                 "prompt_id": r.prompt_id, "sample_index": r.sample_index, "versions": r.versions,
@@ -455,7 +456,7 @@ class Controller:
     def rl_step(self, step: int, run_start: float) -> dict:
         P, ahead = self.prompts_per_step, self.args.async_mode == "on"
         times, start = StepTimes(), time.perf_counter()
-        groups, discards, lags, sampled_rewards, popped = [], Counter(), Counter(), [], 0
+        groups, discards, lags, sampled_rewards, popped, ages = [], Counter(), Counter(), [], 0, []
         while len(groups) < P:
             # Dynamic sampling: replace groups without signal, up to --max-oversample x P groups per step; past
             # that, uniform groups (zero advantage: no gradient) fill the batch.
@@ -470,6 +471,7 @@ class Controller:
             discards.update(batch.discards)
             lags.update(batch.lag_histogram)
             sampled_rewards += batch.sampled_rewards
+            ages += [batch.age_seconds_mean] * len(batch.groups)
             self.log_outcomes(batch.outcomes)
         if ahead:
             self.top_up(P)  # the next step's prompts generate while this step trains
@@ -482,9 +484,9 @@ class Controller:
         rollouts = [r for g in groups for r in g]
         self.consumed += len(rollouts)
         step_s = time.perf_counter() - start
-        gen = {k: sum(s.get(k, 0) for s in self.gen_stats.values()) for k in ("busy_s", "idle_s", "sync_s", "tokens")}
-        prev, self._prev_gen = getattr(self, "_prev_gen", dict.fromkeys(gen, 0)), gen
-        gen_delta = {k: gen[k] - prev[k] for k in gen}
+        gen = {k: sum(s.get(k, 0) for s in self.gen_stats.values()) for k in self._gen_totals}
+        gen_delta = {k: gen[k] - self._gen_totals[k] for k in gen}
+        self._gen_totals = gen
         return {
             "weight_version": self.version, "consumed_samples": self.consumed, "time_s": time.time() - run_start,
             # over every rollout sampled for this step (the policy's performance), and over those trained on
@@ -502,6 +504,8 @@ class Controller:
             "generation_tokens_per_s": gen_delta["tokens"] / step_s,
             "train_tokens_per_s": train_metrics["tokens_per_s"],
             "staleness_histogram": {str(k): v for k, v in sorted(lags.items())},
+            **lag_summary(dict(lags)),
+            "rollout_age_s": sum(ages) / max(len(ages), 1),  # wall time from dispatch to consumption
             "discards": dict(discards),
             "train": {k: v for k, v in train_metrics.items() if isinstance(v, (int, float))},
         }
@@ -545,6 +549,8 @@ class Controller:
             stopped += kind == "stopped"
         self.control.flush()
         self.logger.close()
+        if self._rollout_log is not None:
+            self._rollout_log.close()
         if self.scorer is not None:
             self.scorer.close()
 

@@ -140,11 +140,3 @@ def apply() -> bool:
     _applied = True
     return True
 
-
-def is_applied() -> bool:
-    return _applied
-
-
-def device() -> torch.device:
-    """The device trainer tensors live on: the current CUDA device, or the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
