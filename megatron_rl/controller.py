@@ -257,6 +257,15 @@ class TrainerExecutor:
                            transport=TorchDistTransport(self.roles.sync_group),
                            bucket_bytes=self.args.ddma_bucket_mb * 2**20,
                            debug_checksums=self.args.ddma_debug_checksums)
+        if name == "save":
+            from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
+
+            directory, extra = payload
+            return save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler, extra)
+        if name == "load":
+            from megatron_rl.trainer.checkpoint import load_trainer_checkpoint
+
+            return load_trainer_checkpoint(self.trainer.policy, payload, self.scheduler)
         if name == "stop":
             return None
         raise ValueError(f"unknown trainer command {name!r}")
@@ -278,6 +287,15 @@ class PromptSource:
                                    num_operands=args.task_operands)
         self.cursor = 0
         self.sft_cursor = 0
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "sft_cursor": self.sft_cursor,
+                "dataset": self.dataset.state_dict() if self.dataset is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor, self.sft_cursor = state["cursor"], state["sft_cursor"]
+        if self.dataset is not None:
+            self.dataset.load_state_dict(state["dataset"])
 
     def next(self, n: int) -> list[dict]:
         if self.dataset is not None:
@@ -324,7 +342,8 @@ class Controller:
         self._rollout_log = open(os.path.join(args.output_dir, "rollouts.jsonl"), "w") if args.log_rollouts else None
         self.logger = MetricsLogger(args.output_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
                                     args.tensorboard_dir, config={k: v for k, v in vars(args).items()
-                                                                  if isinstance(v, (int, float, str, bool))})
+                                                                  if isinstance(v, (int, float, str, bool))},
+                                    append=bool(args.load))
         self._next_leader = 0
 
     # -- generators --------------------------------------------------------------------------------------------
@@ -409,6 +428,34 @@ class Controller:
             self.control.send(("sync", self.version), leader)
         self.trainer.command("publish", self.version)
         return time.perf_counter() - start
+
+    # -- checkpoints (Megatron's layout: iter_NNNNNNN/ and latest_checkpointed_iteration.txt) ----------------------
+    def save_checkpoint(self, step: int) -> None:
+        import shutil
+
+        final = os.path.join(self.args.save, f"iter_{step:07d}")
+        partial = final + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        extra = {"step": step, "weight_version": self.version, "consumed_samples": self.consumed,
+                 "source": self.source.state_dict()}
+        self.trainer.command("save", (partial, extra))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)  # a crash before this line leaves the previous checkpoint as the latest
+        tracker = os.path.join(self.args.save, "latest_checkpointed_iteration.txt")
+        with open(tracker + ".tmp", "w") as f:
+            f.write(str(step))
+        os.replace(tracker + ".tmp", tracker)
+
+    def load_checkpoint(self) -> int:
+        tracker = os.path.join(self.args.load, "latest_checkpointed_iteration.txt")
+        if not os.path.isfile(tracker):
+            raise ValueError(f"--load {self.args.load!r}: no latest_checkpointed_iteration.txt")
+        with open(tracker) as f:
+            step = int(f.read().strip())
+        extra = self.trainer.command("load", os.path.join(self.args.load, f"iter_{step:07d}"))
+        self.version, self.consumed = extra["weight_version"], extra["consumed_samples"]
+        self.source.load_state_dict(extra["source"])
+        return extra["step"]
 
     # -- phases --------------------------------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -514,18 +561,24 @@ class Controller:
         from tqdm import tqdm
 
         args = self.args
-        self.publish()  # generators start empty: version 0 is the initial policy
-        if args.sft_warmup_iters:
+        start_step = 0
+        if args.load:
+            start_step = self.load_checkpoint()  # the trainer's weights, optimizer, schedule and data cursor
+            self.version -= 1  # publish() below re-publishes the loaded weights under their version
+        self.publish()  # generators start empty: the first publish gives them the policy
+        if args.sft_warmup_iters and not args.load:
             self.sft_warmup()
             self.publish()
         accuracy_before = self.evaluate()
         print(f"held-out accuracy before RL: {accuracy_before:.3f}", flush=True)
         run_start = time.time()
-        bar = tqdm(range(1, args.train_iters + 1), desc=f"AIPO ({'async' if args.async_mode == 'on' else 'sync'})",
-                   dynamic_ncols=True)
+        bar = tqdm(range(start_step + 1, args.train_iters + 1), initial=start_step, total=args.train_iters,
+                   desc=f"AIPO ({'async' if args.async_mode == 'on' else 'sync'})", dynamic_ncols=True)
         for step in bar:
             metrics = self.rl_step(step, run_start)
             self.logger.log(step, metrics)
+            if args.save and args.save_interval and step % args.save_interval == 0:
+                self.save_checkpoint(step)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
                             lag=max(map(int, metrics["staleness_histogram"]), default=0))
         accuracy_after = self.evaluate()

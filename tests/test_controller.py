@@ -74,3 +74,18 @@ def test_sync_baseline_and_async_path_compute_the_same_first_update(tmp_path, as
     assert s["param_checksum"] == a["param_checksum"]  # same update
     assert s["loss"] == a["loss"] and s["grad_norm"] == a["grad_norm"]
     assert all(r["lag"] == 0 for r in sync_rollouts)
+
+
+def test_save_and_resume_continue_steps_versions_and_data(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    first, _, rollouts_before = _train(out, "--train-iters", "2", "--save", str(ckpt), "--save-interval", "2")
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (ckpt / "iter_0000002").is_dir()
+    _, _, _ = _train(out, "--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "1")
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # appended after the checkpointed step
+    assert [m["weight_version"] for m in metrics] == [1, 2, 3]
+    assert metrics[2]["consumed_samples"] == 48
+    rollouts_after = [json.loads(line) for line in open(out / "rollouts.jsonl")]
+    before = {r["prompt_id"] for r in rollouts_before}
+    assert not before & {r["prompt_id"] for r in rollouts_after}  # the data cursor moved on, nothing re-served

@@ -1,4 +1,4 @@
-"""python -m megatron_rl.bench {async,ddma,engine,reward,all} [--quick]: prints one JSON object per benchmark, last line = all."""
+"""python -m megatron_rl.bench {async,ddma,engine,trainer,reward,all} [--quick]: prints one JSON object per benchmark, last line = all."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-BENCHMARKS = ("async", "ddma", "engine", "reward")
+BENCHMARKS = ("async", "ddma", "engine", "trainer", "reward")
 
 
 def main(argv=None) -> int:
