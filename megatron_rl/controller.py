@@ -200,7 +200,6 @@ class TrainerExecutor:
         self.sft_algo = AlgorithmConfig(loss="sft")
         self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler)
         self.plan = ddma_plan(args, spec, roles)
-        self.version = -1
         if roles.is_controller:
             self.controller = Controller(args, roles, tokenizer, self)
 
@@ -251,7 +250,6 @@ class TrainerExecutor:
                 group["lr"] = lr
             return self.trainer.train_step(batch)
         if name == "publish":
-            self.version = payload
             params = {n: p.detach() for n, p in self.trainer.policy.module.named_parameters()}
             return publish(self.plan, self.roles.rank, payload, trainer_tensors=params,
                            transport=TorchDistTransport(self.roles.sync_group),
