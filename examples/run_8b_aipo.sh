@@ -4,39 +4,9 @@
 #   NNODES=2 NODE_RANK=$i MASTER_ADDR=host0 bash examples/run_8b_aipo.sh [--flag value ...]
 #   bash examples/run_8b_aipo.sh --dry-run     # on any machine: rank map, memory per GPU, DDMA estimate
 #
-# Paths come from the environment: HF_CHECKPOINT (initial policy, HF format), CHECKPOINT_PATH (save/resume),
-# DATA_PATH (JSONL prompts with answers), TOKENIZER (HF tokenizer directory).
+# Layout and batch: configs/llama3-8b.json. Paths from the environment: HF_CHECKPOINT, CHECKPOINT_PATH,
+# DATA_PATH, TOKENIZER, OUTPUT_DIR (see examples/launch_common.sh).
 set -euo pipefail
 source "$(dirname "$0")/launch_common.sh"
 
-NNODES=${NNODES:-2}
-NODE_RANK=${NODE_RANK:-0}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-HF_CHECKPOINT=${HF_CHECKPOINT:-/checkpoints/llama3-8b-hf}
-CHECKPOINT_PATH=${CHECKPOINT_PATH:-/checkpoints/llama3-8b-aipo}
-DATA_PATH=${DATA_PATH:-/data/math/train.jsonl}
-TOKENIZER=${TOKENIZER:-$HF_CHECKPOINT}
-OUTPUT_DIR=${OUTPUT_DIR:-outputs/llama3_8b_aipo}
-
-MODEL_AND_LAYOUT_ARGS=(
-    --config llama3-8b            # configs/llama3-8b.json: architecture, TP/PP, batch sizes, FP8
-    --rollout-num-replicas 8
-)
-CHECKPOINT_ARGS=(
-    --load-hf "$HF_CHECKPOINT" --save "$CHECKPOINT_PATH" --save-interval 20
-)
-DATA_ARGS=(
-    --data-path "$DATA_PATH" --tokenizer "$TOKENIZER" --reward-fn math --reward-num-workers 16
-)
-RL_ARGS=(
-    --loss aipo --async-mode on --advantage-estimator group-baseline --train-iters 500
-    --rollout-temperature 1.0 --rollout-top-p 1.0
-)
-LOGGING_ARGS=(
-    --output-dir "$OUTPUT_DIR" --wandb-project megatron-rl --wandb-exp-name llama3-8b-aipo
-    --tensorboard-dir "$OUTPUT_DIR/tensorboard"
-)
-
-launch "${MODEL_AND_LAYOUT_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${DATA_ARGS[@]}" "${RL_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"
+run_llama3_aipo 8b 2 8 "$@"

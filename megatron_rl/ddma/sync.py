@@ -50,12 +50,17 @@ def _buckets(pieces: list[Piece], bucket_bytes: int) -> list[list[Piece]]:
     return out
 
 
-def _schedule(plan: Plan, bucket_bytes: int) -> tuple[dict[tuple[int, int], list[list[Piece]]], int]:
-    pairs: dict[tuple[int, int], list[Piece]] = defaultdict(list)
-    for p in plan.pieces:
-        pairs[(p.src, p.dst)].append(p)
-    buckets = {pair: _buckets(pieces, bucket_bytes) for pair, pieces in pairs.items()}
-    return buckets, max((len(b) for b in buckets.values()), default=0)
+def _schedule(plan: Plan, rank: int, bucket_bytes: int) -> tuple[dict[tuple[int, int], list[list[Piece]]], int]:
+    """This rank's (sender, receiver) pairs, each cut into buckets. Only the two ends of a pair must agree on
+    its buckets (they do: both cut the same piece list), so each rank schedules its own pairs, once per plan."""
+    key = (rank, bucket_bytes)
+    if key not in plan.schedules:
+        pairs: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+        for p in plan.sends(rank) + plan.recvs(rank):
+            pairs[(p.src, p.dst)].append(p)
+        buckets = {pair: _buckets(pieces, bucket_bytes) for pair, pieces in pairs.items()}
+        plan.schedules[key] = (buckets, max((len(b) for b in buckets.values()), default=0))
+    return plan.schedules[key]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -123,7 +128,7 @@ def publish(plan: Plan, rank: int, version: int, trainer_tensors: dict[str, torc
     parameters by local name); generator ranks give `engine` (begin/load/end_weight_update)."""
     transport = transport or TorchDistTransport()
     start = time.perf_counter()
-    buckets, rounds = _schedule(plan, bucket_bytes)
+    buckets, rounds = _schedule(plan, rank, bucket_bytes)
     is_generator = rank in plan.runtime
     receiver = _Receiver(plan, rank, dtype) if is_generator else None
     sent0, recv0 = transport.bytes_sent, transport.bytes_received
@@ -136,7 +141,7 @@ def publish(plan: Plan, rank: int, version: int, trainer_tensors: dict[str, torc
             recvs: list[tuple[int, torch.Tensor]] = []
             checks: list[tuple[int, list[torch.Tensor], torch.Tensor]] = []
             for (src, dst), chunks in buckets.items():
-                if k >= len(chunks) or rank not in (src, dst):
+                if k >= len(chunks):
                     continue
                 if src == rank:
                     bufs = [b for p in chunks[k] for b in _send_buffers(p, trainer_tensors, plan.trainer.dtype_bytes)]
