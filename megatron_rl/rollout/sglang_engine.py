@@ -1,0 +1,252 @@
+"""SGLangEngine: the rollout engine protocol of `LocalEngine`, served by a real SGLang server.
+
+One SGLang server per generator replica, with `tp_size` = the rollout TP size. The replica's generator
+ranks (one per SGLang TP rank, as with the built-in engine) all hold an `SGLangEngine`; the replica's
+leader also talks to the server:
+
+- requests go to `POST /generate` (token ids in, per-token log-probs and weight-version spans out), each
+  on a worker thread, so `add_request` returns at once and `step` collects what has finished;
+- `pause("retract")` / `continue_generation` bracket a weight update: in-flight requests go back to
+  SGLang's queue keeping their tokens and resume under the new weights (partial rollouts; every token
+  keeps the version that produced it, from SGLang's `weight_versions` spans);
+- weight updates are fed by DDMA: each generator rank receives exactly its SGLang TP rank's shards, in
+  SGLang's runtime layout (fused `qkv_proj` / `gate_up_proj`, padded vocabulary). At
+  `end_weight_update` every rank serializes its own shards into shared memory (only a handle travels,
+  never the data), the leader collects the replica's handles and posts them to
+  `/update_weights_from_tensor` with `load_format="direct"`: SGLang TP rank i copies handle i into its
+  parameters. No rank ever holds another rank's shard.
+
+Behavior log-probs: SGLang reports log_softmax(logits / temperature) over the full vocabulary, before
+top-k/top-p truncation: the project's LOGPROB_CONVENTION, which the trainer recomputes. The adapter
+refuses to run when SGLANG_RETURN_ORIGINAL_LOGPROB changes that.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.spec import ModelSpec
+from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
+from megatron_rl.rollout.types import LOGPROB_CONVENTION, RolloutOutput, SamplingParams
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def sglang_sampling_params(params: SamplingParams) -> dict:
+    out = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+           "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
+           "ignore_eos": params.ignore_eos}
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+
+def expand_versions(spans: list, num_tokens: int, request_id: str) -> list[int]:
+    """SGLang's weight-version spans ({version, start, end} or [version, start, end]) as one int per token."""
+    versions: list[int] = []
+    for span in spans:
+        version, start, end = (span["version"], span["start"], span["end"]) if isinstance(span, dict) else span
+        if start != len(versions):
+            raise SGLangServerError(f"request {request_id}: weight_versions spans {spans} do not tile its tokens")
+        versions += [int(version)] * (end - start)
+    if len(versions) != num_tokens:
+        raise SGLangServerError(f"request {request_id}: weight_versions spans cover {len(versions)} tokens, "
+                                f"the output has {num_tokens}")
+    return versions
+
+
+def parse_generate_response(request_id: str, prompt: list[int], response: dict) -> RolloutOutput:
+    meta = response["meta_info"]
+    token_ids = list(response["output_ids"])
+    entries = meta["output_token_logprobs"]
+    if [e[1] for e in entries] != token_ids:
+        raise SGLangServerError(f"request {request_id}: output_token_logprobs do not match output_ids")
+    versions = expand_versions(meta.get("weight_versions") or [], len(token_ids), request_id)
+    if any(v < 0 for v in versions):
+        raise SGLangServerError(f"request {request_id} was served by weight version {min(versions)}: the server's "
+                                "start-up weights, never the policy's (a server restarted without a weight sync?)")
+    reason = meta["finish_reason"]
+    reason = reason.get("type") if isinstance(reason, dict) else reason
+    if reason not in FINISH_REASONS:
+        raise SGLangServerError(f"request {request_id}: unknown finish_reason {meta['finish_reason']!r}")
+    return RolloutOutput(request_id, list(prompt), token_ids, [float(e[0]) for e in entries], versions,
+                         FINISH_REASONS[reason], int(meta.get("num_retractions", 0)), LOGPROB_CONVENTION)
+
+
+class SGLangEngine:
+    def __init__(self, spec: ModelSpec, server: SGLangServer | None, group=None, max_concurrency: int = 256,
+                 request_timeout_s: float | None = None):
+        """`server`: on the replica's leader; None on its other ranks (they only take part in weight
+        updates). `group`: the replica's process group (None when the replica has one rank)."""
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in ("1", "true"):
+            raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would report log-probs before "
+                             f"temperature, but the trainer's importance weights assume {LOGPROB_CONVENTION!r}")
+        self.spec, self.server, self.group = spec, server, group
+        self.is_leader = server is not None
+        self.request_timeout_s = request_timeout_s
+        self.weight_version = -1
+        self.paused = False
+        self._pool = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-request")
+        self._pending: dict[cf.Future, tuple[str, list[int]]] = {}
+        self._staged: dict[str, torch.Tensor] | None = None
+
+    # ---- requests (leader) ----------------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> str:
+        if not self.is_leader:
+            return request_id
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: prompt_token_ids is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id}: prompt_token_ids has ids outside the vocabulary "
+                             f"[0, {self.spec.vocab_size}): {bad[:5]}")
+        body = {"input_ids": list(prompt_token_ids), "sampling_params": sglang_sampling_params(params),
+                "return_logprob": True, "rid": request_id}
+        future = self._pool.submit(self.server.post, "/generate", body, self.request_timeout_s)
+        self._pending[future] = (request_id, list(prompt_token_ids))
+        return request_id
+
+    def has_work(self) -> bool:
+        return bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._pending)
+
+    def step(self, timeout_s: float = 0.05) -> list[RolloutOutput]:
+        """Outputs of the requests that finished (waiting at most `timeout_s` for the first one)."""
+        if not self._pending:
+            return []
+        done, _ = cf.wait(list(self._pending), timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
+        if not done and not self.server.alive():
+            self.server.post("/health")  # raises with the server's exit code and log tail
+        return [self._collect(f) for f in done]
+
+    def _collect(self, future: cf.Future) -> RolloutOutput:
+        request_id, prompt = self._pending.pop(future)
+        return parse_generate_response(request_id, prompt, future.result())
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 request_ids: list[str] | None = None) -> list[RolloutOutput]:
+        """Run the given prompts to completion; outputs in prompt order."""
+        rids = request_ids or [f"generate-{id(self)}-{i}" for i in range(len(prompt_token_ids))]
+        for rid, prompt in zip(rids, prompt_token_ids):
+            self.add_request(prompt, params, rid)
+        done: dict[str, RolloutOutput] = {}
+        while set(rids) - set(done):
+            for out in self.step(timeout_s=1.0):
+                done[out.request_id] = out
+        return [done[r] for r in rids]
+
+    # ---- control --------------------------------------------------------------------------------------------------
+    def pause(self, mode: str = "retract") -> list[RolloutOutput]:
+        """"retract": in-flight requests go back to SGLang's queue with their tokens, to resume after
+        `continue_generation`. "abort": they end now; their partial outputs are returned."""
+        if mode not in ("retract", "abort"):
+            raise ValueError(f"pause mode must be 'retract' or 'abort', got {mode!r}")
+        self.paused = True
+        if not self.is_leader:
+            return []
+        self.server.post("/pause_generation", {"mode": mode})
+        if mode == "retract":
+            return []
+        return [self._collect(f) for f in cf.wait(list(self._pending)).done]
+
+    def continue_generation(self) -> None:
+        self.paused = False
+        if self.is_leader:
+            self.server.post("/continue_generation", {})
+
+    def begin_weight_update(self) -> None:
+        if self.is_leader and self._pending and not self.paused:
+            raise RuntimeError(f"begin_weight_update with {len(self._pending)} requests decoding: pause first")
+        self._staged = {}
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], copy: bool = True) -> None:
+        """This rank's shards, by SGLang runtime name (between begin and end_weight_update)."""
+        if self._staged is None:
+            raise RuntimeError("load_weights outside begin_weight_update / end_weight_update")
+        for name, tensor in named_tensors:
+            self._staged[name] = tensor.clone() if copy else tensor
+
+    def end_weight_update(self, version: int) -> None:
+        """Hand every rank's staged shards to its SGLang TP rank and serve them as `version`. The replica's
+        ranks all return, or all raise with the server's message; on failure the engine keeps no promise
+        about which weights it serves (SGLang loads in place), so the caller must not generate before a
+        successful update."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if self._staged is None:
+            raise RuntimeError("end_weight_update without begin_weight_update")
+        staged, self._staged = self._staged, None
+        # CPU tensors travel as shared-memory file names, which a process that is not our child can open.
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        handle = MultiprocessingSerializer.serialize(list(staged.items()), output_str=True)
+        handles = self._gather(handle)
+        status = [None]
+        if self.is_leader:
+            try:
+                self.server.post("/begin_weight_update", {})
+                result = self.server.post("/update_weights_from_tensor", {
+                    "serialized_named_tensors": handles, "load_format": "direct", "flush_cache": True,
+                    "weight_version": str(version)})
+                self.server.post("/end_weight_update", {})
+                status[0] = None if result.get("success") else result.get("message", str(result))
+            except SGLangServerError as e:
+                status[0] = str(e)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.broadcast_object_list(status, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if status[0] is not None:
+            raise SGLangServerError(f"SGLang weight update to version {version} failed: {status[0]}")
+        self.weight_version = version
+        del staged  # the server has copied every shard into its parameters
+
+    def _gather(self, handle: str) -> list[str]:
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return [handle]
+        out = [None] * dist.get_world_size(self.group) if self.is_leader else None
+        dist.gather_object(handle, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out
+
+    def abort_weight_update(self) -> None:
+        self._staged = None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.server is not None:
+            self.server.shutdown()
+
+
+def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, model_dir: str, log_path: str,
+                         port: int | None = None, url: str | None = None, extra_flags: dict | None = None,
+                         dtype: str = "float32", load_format: str = "dummy", max_total_tokens: int = 65536,
+                         timeout_s: float = 600.0) -> SGLangEngine:
+    """Called on every rank of a generator replica. The leader launches its SGLang server (or attaches to
+    `url`) and checks that it serves `spec` at `tp_size`; every rank learns whether that worked and raises
+    the leader's error if not, so no rank is left waiting on a replica that never came up."""
+    from megatron_rl.launch import free_port
+
+    server, error = None, [None]
+    if is_leader:
+        try:
+            if url:
+                server = SGLangServer.attach(url, timeout_s)
+            else:
+                server = SGLangServer.launch(model_dir, tp_size, port or free_port(), log_path, dtype=dtype,
+                                             max_total_tokens=max_total_tokens, extra_flags=extra_flags,
+                                             load_format=load_format, timeout_s=timeout_s)
+            server.check(spec, tp_size)
+        except Exception as e:  # noqa: BLE001 - reported to every rank of the replica, then raised
+            error[0] = f"{type(e).__name__}: {e}"
+            if server is not None and not url:
+                server.shutdown()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(error, src=dist.get_global_rank(group, 0), group=group)
+    if error[0] is not None:
+        raise SGLangServerError(f"generator replica failed to start its SGLang engine: {error[0]}")
+    return SGLangEngine(spec, server if is_leader else None, group)

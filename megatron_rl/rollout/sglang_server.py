@@ -1,0 +1,199 @@
+"""One SGLang HTTP server per generator replica: launch it (or attach to a running one), wait until it
+answers, check that it serves the model and TP size the run expects, and report its log when it dies.
+
+Launching uses `python -m sglang.launch_server` in this interpreter's environment. On a machine without
+CUDA the server gets SGLang's torch-native CPU flags (README, "SGLang on CPU"). Extra server flags come
+from `--sglang-<flag>` on the megatron-rl command line, passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import requests
+import torch
+
+from megatron_rl.models.spec import ModelSpec
+
+
+class SGLangServerError(RuntimeError):
+    """The SGLang server died, never came up, answered with an error, or serves the wrong thing."""
+
+
+# Server flags for SGLang's torch-native code paths on CPU (shared/notes/sglang.md).
+CPU_FLAGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
+             "grammar_backend": "none"}
+
+
+def _flag_list(flags: dict) -> list[str]:
+    out = []
+    for key, value in flags.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value not in (False, None):
+            out += [flag, str(value)]
+    return out
+
+
+def write_model_dir(spec: ModelSpec, directory: str, eos_token_id: int | None = None) -> str:
+    """An HF model directory with only config.json: the server starts with `--load-format dummy` (random
+    weights) and serves nothing until the first weight update gives it the policy."""
+    os.makedirs(directory, exist_ok=True)
+    config = spec.to_hf_config()
+    if eos_token_id is not None:
+        config["eos_token_id"] = eos_token_id
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return directory
+
+
+class SGLangServer:
+    def __init__(self, url: str, process: subprocess.Popen | None = None, log_path: str | None = None):
+        self.url = url.rstrip("/")
+        self.process = process
+        self.log_path = log_path
+        self.http = requests.Session()
+
+    # ---- start -------------------------------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, model_path: str, tp_size: int, port: int, log_path: str, dtype: str = "float32",
+               max_total_tokens: int = 65536, extra_flags: dict | None = None, load_format: str = "dummy",
+               host: str = "127.0.0.1", timeout_s: float = 600.0) -> "SGLangServer":
+        """`load_format="dummy"` starts with random weights, reported as weight version -1 until the first
+        update; any other format loads the checkpoint, served as version 0. `max_total_tokens` sizes the
+        KV cache: on CPU SGLang cannot measure the memory free per rank and would otherwise size it from
+        the whole machine's memory."""
+        flags = {"model_path": model_path, "tp_size": tp_size, "host": host, "port": port, "dtype": dtype,
+                 "load_format": load_format, "skip_tokenizer_init": True,
+                 "weight_version": "-1" if load_format == "dummy" else "0",
+                 "max_total_tokens": max_total_tokens}
+        env = dict(os.environ)
+        if not torch.cuda.is_available():
+            flags.update(CPU_FLAGS)
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            cores = os.cpu_count() or 1
+            # One OpenMP core set per TP rank ("0|1" for two ranks); ranks share cores when there are fewer.
+            env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp_size)))
+        flags.update(extra_flags or {})
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *_flag_list(flags)],
+                                       stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = cls(f"http://{host}:{port}", process, log_path)
+        try:
+            server.wait_ready(timeout_s)
+        except BaseException:
+            server.shutdown()
+            raise
+        return server
+
+    @classmethod
+    def attach(cls, url: str, timeout_s: float = 60.0) -> "SGLangServer":
+        server = cls(url)
+        server.wait_ready(timeout_s)
+        return server
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._raise_if_dead("during start-up")
+            try:
+                if self.http.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise SGLangServerError(f"SGLang server {self.url} did not answer /health within {timeout_s:.0f} s"
+                                        + self._tail_text())
+            time.sleep(1.0)
+
+    def check(self, spec: ModelSpec, tp_size: int) -> dict:
+        """Fail at start, with the mismatch named, when the server does not serve `spec` at `tp_size`."""
+        info = self.get("/server_info")
+        problems = []
+        if info.get("tp_size") != tp_size:
+            problems.append(f"tp_size {info.get('tp_size')} (the run's --rollout-tensor-parallel-size is {tp_size})")
+        if info.get("dp_size", 1) != 1:
+            problems.append(f"dp_size {info.get('dp_size')} (weight updates need one engine per replica: dp_size 1)")
+        if not info.get("skip_tokenizer_init"):
+            problems.append("skip_tokenizer_init is off (the adapter sends token ids; start it with "
+                            "--skip-tokenizer-init)")
+        config_path = os.path.join(str(info.get("model_path", "")), "config.json")
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                served = ModelSpec.from_hf_config(json.load(f))
+            for field in ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                          "ffn_hidden_size", "vocab_size", "tie_word_embeddings"):
+                if getattr(served, field) != getattr(spec, field):
+                    problems.append(f"model {field} {getattr(served, field)} (the trainer's is {getattr(spec, field)})")
+        else:
+            problems.append(f"its model_path {info.get('model_path')!r} has no config.json readable here, so the "
+                            "model cannot be checked against the trainer's")
+        if problems:
+            raise SGLangServerError(f"SGLang server {self.url} does not match this run: " + "; ".join(problems))
+        return info
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+    def get(self, path: str, timeout: float = 30.0) -> dict:
+        return self._call("GET", path, None, timeout)
+
+    def post(self, path: str, body: dict | None = None, timeout: float | None = 600.0) -> dict:
+        return self._call("POST", path, body, timeout)
+
+    def _call(self, method: str, path: str, body: dict | None, timeout: float | None) -> dict:
+        try:
+            response = self.http.request(method, self.url + path, json=body, timeout=timeout)
+        except requests.RequestException as e:
+            if self.process is not None:  # a dropped connection is often the first sign of a dying server
+                try:
+                    self.process.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._raise_if_dead(f"during {path}")
+            raise SGLangServerError(f"SGLang server {self.url}{path}: {type(e).__name__}: {e}"
+                                    + self._tail_text()) from e
+        if response.status_code != 200:
+            raise SGLangServerError(f"SGLang server {self.url}{path} answered {response.status_code}: "
+                                    f"{response.text[:2000]}")
+        return response.json() if response.content else {}
+
+    # ---- failure reporting and shutdown -----------------------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.process is None or self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path or not os.path.isfile(self.log_path):
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(self.log_path) - 64 * 1024))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+
+    def _tail_text(self) -> str:
+        tail = self.log_tail()
+        return f"\n--- last lines of {self.log_path} ---\n{tail}" if tail else ""
+
+    def _raise_if_dead(self, when: str) -> None:
+        if not self.alive():
+            raise SGLangServerError(f"SGLang server {self.url} exited with code {self.process.returncode} {when}"
+                                    + self._tail_text())
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop a server this object launched (its whole process group: scheduler and TP workers too)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue

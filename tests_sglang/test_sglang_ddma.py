@@ -1,0 +1,67 @@
+"""DDMA into a real SGLang TP=2 engine: Megatron TP=2 trainer shards go point to point to the two generator
+ranks, each hands only its own SGLang TP rank's shards to the server, and the server then generates exactly
+what the built-in engine does from the same HF checkpoint. Before the first sync the engine refuses to
+report rollouts from its start-up (dummy) weights."""
+
+import torch
+
+from conftest import SPEC
+from megatron_rl.launch import run_on_ranks
+from megatron_rl.rollout.engine import LocalEngine
+from megatron_rl.rollout.types import SamplingParams
+
+PROMPTS = [[1, 5, 9, 13], [2, 40, 41, 42, 43, 44, 45]]
+GREEDY = dict(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+
+
+def _trainer_tp2_to_sglang_tp2(model_dir, log_dir):
+    import torch.distributed as dist
+
+    from megatron_rl.ddma.plan import GeneratorLayout, TrainerLayout, make_plan
+    from megatron_rl.ddma.sync import publish
+    from megatron_rl.ddma.transport import TorchDistTransport
+    from megatron_rl.models import layout as L
+    from megatron_rl.models.safetensors_io import HFCheckpoint
+    from megatron_rl.rollout.sglang_engine import start_replica_engine
+    from megatron_rl.rollout.sglang_server import SGLangServerError
+
+    rank = dist.get_rank()
+    trainer, generator = TrainerLayout(2, 1, 1, dtype_bytes=4), GeneratorLayout(2, 1, first_rank=2)
+    plan = make_plan(SPEC, trainer, generator)
+    replica = dist.new_group([2, 3])
+    result = {}
+    if rank < 2:
+        reader = HFCheckpoint(model_dir)
+        tensors = {n: L.assemble(s, reader.get_slice)
+                   for n, s in L.megatron_shards(SPEC, trainer.megatron(), rank, 0).items()}
+        dist.barrier()  # the generators' server is up
+        stats = publish(plan, rank, version=1, trainer_tensors=tensors, transport=TorchDistTransport())
+    else:
+        engine = start_replica_engine(SPEC, 2, replica, rank == 2, model_dir, f"{log_dir}/server.log")
+        if rank == 2:
+            try:
+                engine.generate([PROMPTS[0]], SamplingParams(**GREEDY))
+            except SGLangServerError as e:
+                result["before_sync"] = str(e)
+        dist.barrier()
+        stats = publish(plan, rank, version=1, engine=engine, transport=TorchDistTransport())
+        if rank == 2:
+            result["greedy"] = engine.generate(PROMPTS, SamplingParams(**GREEDY))
+            engine.shutdown()
+    result.update(received=stats.bytes_received, sent=stats.bytes_sent, planned=plan.bytes_received(rank),
+                  total=sum(plan.bytes_received(r) for r in (2, 3)))
+    dist.barrier()
+    return result
+
+
+def test_ddma_from_megatron_tp2_into_sglang_tp2(model_b, tmp_path):
+    reports = run_on_ranks(_trainer_tp2_to_sglang_tp2, 4, model_b, str(tmp_path), timeout_s=900)
+    leader, other = reports[2], reports[3]
+    assert "weight version -1" in leader["before_sync"]
+    want = LocalEngine.from_hf(model_b).generate(PROMPTS, SamplingParams(**GREEDY))
+    for got, ref in zip(leader["greedy"], want):
+        assert got.token_ids == ref.token_ids and got.versions == [1] * len(got.token_ids)
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
+    # each generator rank received its own shards only: about half of the model each, as planned
+    for report in (leader, other):
+        assert report["received"] == report["planned"] < 0.75 * report["total"]

@@ -1,0 +1,130 @@
+"""SGLangEngine against a real SGLang server (TP=1) and the built-in engine on the same checkpoint: the
+same greedy tokens and log-probs, the same log-prob convention for sampled tokens, partial rollouts that
+resume under new weights with per-token versions, clear errors for a mismatched, unreachable or dead server."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import SPEC
+from megatron_rl.launch import free_port
+from megatron_rl.models import layout as L
+from megatron_rl.models.safetensors_io import HFCheckpoint
+from megatron_rl.rollout.engine import LocalEngine
+from megatron_rl.rollout.sglang_engine import SGLangEngine, start_replica_engine
+from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
+from megatron_rl.rollout.types import LOGPROB_CONVENTION, SamplingParams
+
+PROMPTS = [[1, 5, 9, 13], [2, 40, 41, 42, 43, 44, 45], [3, 100]]
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engine(model_a, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("logs") / "server.log")
+    engine = start_replica_engine(SPEC, 1, None, True, model_a, log, load_format="auto")
+    yield engine
+    engine.shutdown()
+
+
+def reference(path):
+    return LocalEngine.from_hf(path, max_seq_len=2048)
+
+
+def continuation_logprobs(ref: LocalEngine, prompt, tokens, temperature=1.0):
+    return ref.score(list(prompt) + list(tokens), temperature)[len(prompt) - 1:]
+
+
+def test_greedy_generation_matches_the_builtin_engine(engine, model_a):
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    got = engine.generate(PROMPTS, params)
+    want = reference(model_a).generate(PROMPTS, params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=ATOL, rtol=0)
+        assert g.versions == [0] * 12 and g.finish_reason == "length"
+        assert g.logprob_convention == LOGPROB_CONVENTION
+
+
+def test_sampled_logprobs_are_after_temperature_and_before_top_k(engine, model_a):
+    ref = reference(model_a)
+    params = SamplingParams(temperature=0.7, top_k=3, max_new_tokens=16, ignore_eos=True)
+    for out in engine.generate(PROMPTS, params):
+        want = continuation_logprobs(ref, out.prompt_token_ids, out.token_ids, temperature=0.7)
+        torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=ATOL, rtol=0)
+        # After top-k=3 renormalization every sampled token would have log-prob >= log(1/3); the full-vocab
+        # distribution of a random 128-token model puts them far lower.
+        assert max(out.logprobs) < -1.5
+
+
+def test_stop_token_ends_the_request_with_finish_reason_stop(engine, model_a):
+    greedy = reference(model_a).generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=8))[0]
+    stop = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop)
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,)))[0]
+    assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[:first + 1]
+
+
+def _runtime_shards(path, tp=1, rank=0):
+    reader = HFCheckpoint(path)
+    return [(name, L.assemble(shard, reader.get_slice)) for name, shard in L.sglang_shards(SPEC, tp, rank).items()]
+
+
+def test_retract_resumes_an_inflight_request_under_new_weights(engine, model_a, model_b):
+    params = SamplingParams(temperature=0.0, max_new_tokens=1500, ignore_eos=True)
+    engine.add_request(PROMPTS[1], params, "long")
+    time.sleep(1.5)  # some tokens under version 0
+    engine.pause("retract")
+    engine.begin_weight_update()
+    engine.load_weights(_runtime_shards(model_b))
+    engine.end_weight_update(version=1)
+    engine.continue_generation()
+    out = None
+    while out is None:
+        out = next(iter(engine.step(timeout_s=1.0)), None)
+    switch = out.versions.index(1)
+    assert 0 < switch < len(out.token_ids) == 1500
+    assert out.versions == [0] * switch + [1] * (1500 - switch) and out.num_retractions >= 1
+    # Tokens before the switch are model A's greedy choices, after it model B's given the same prefix;
+    # their log-probs are each model's, teacher-forced on the same tokens.
+    lp_a = continuation_logprobs(reference(model_a), out.prompt_token_ids, out.token_ids[:switch])
+    prefix = out.prompt_token_ids + out.token_ids[:switch]
+    lp_b = continuation_logprobs(reference(model_b), prefix, out.token_ids[switch:])
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.cat([lp_a, lp_b]), atol=ATOL, rtol=0)
+    # and the engine now serves model B
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == \
+        [o.token_ids for o in reference(model_b).generate(PROMPTS, params)]
+
+
+def test_a_mismatched_server_fails_at_start_naming_the_field(engine):
+    with pytest.raises(SGLangServerError, match=r"tp_size 1 \(the run's --rollout-tensor-parallel-size is 2\)"):
+        engine.server.check(SPEC, tp_size=2)
+    with pytest.raises(SGLangServerError, match="hidden_size 64 \\(the trainer's is 128\\)"):
+        engine.server.check(SPEC.replace(hidden_size=128), tp_size=1)
+
+
+def test_an_unreachable_server_fails_at_start():
+    with pytest.raises(SGLangServerError, match="did not answer /health within 3 s"):
+        SGLangServer.attach(f"http://127.0.0.1:{free_port()}", timeout_s=3)
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
+    with pytest.raises(SGLangServerError, match="exited with code .* during start-up(.|\n)*last lines"):
+        SGLangServer.launch(str(tmp_path), 1, free_port(), str(tmp_path / "server.log"), timeout_s=300)
+
+
+def test_a_server_that_dies_mid_generation_is_reported_not_awaited(engine):
+    """Runs last in this module: it kills the module's server."""
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=1500, ignore_eos=True), "doomed")
+    time.sleep(0.5)
+    os.killpg(engine.server.process.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(SGLangServerError, match="exited with code -9"):
+        while True:
+            engine.step(timeout_s=0.5)
+    assert time.monotonic() - start < 30
