@@ -86,7 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write every consumed or discarded rollout's contract fields to rollouts.jsonl")
 
     g = p.add_argument_group("rollout")
-    g.add_argument("--rollout-backend", choices=["local", "sglang"], default="local")
+    g.add_argument("--rollout-backend", choices=["local", "sglang"], default="local",
+                   help="local: the built-in engine; sglang: one SGLang server per replica (launched by the "
+                        "replica's first generator rank, flags passed through as --sglang-<flag>)")
+    g.add_argument("--rollout-server-urls", nargs="+", metavar="URL",
+                   help="with --rollout-backend sglang: attach to these running servers (one per replica, "
+                        "started with --skip-tokenizer-init and the run's model) instead of launching them")
+    g.add_argument("--rollout-server-timeout", type=float, default=600.0,
+                   help="seconds an SGLang server may take to start and answer /health")
     g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
     g.add_argument("--rollout-num-replicas", type=int, default=1)
     g.add_argument("--rollout-fp8", action="store_true", help="generators serve block-FP8 weights")
@@ -115,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-staleness", type=int, default=1, help="max versions between trainer and oldest token")
     g.add_argument("--max-oversample", type=int, default=4,
                    help="sample up to this many x the step's prompts to replace groups without signal")
+    g.add_argument("--max-consecutive-skipped-steps", type=int, default=3,
+                   help="stop the run when more optimizer steps than this in a row have a NaN/Inf gradient "
+                        "(each is skipped: weights untouched, nothing published)")
     g.add_argument("--keep-uniform-groups", action="store_true",
                    help="train on groups whose rewards are all equal (zero advantage) instead of dropping them")
 
@@ -122,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reward-fn", default="math", help="registered name or module:function")
     g.add_argument("--reward-num-workers", type=int, default=2)
     g.add_argument("--reward-timeout", type=int, default=5, help="seconds per verdict (whole seconds)")
+    g.add_argument("--max-consecutive-reward-failures", type=int, default=256,
+                   help="stop the run when the reward function fails (timeout, crash) on this many samples in a "
+                        "row; isolated failures are excluded from training and counted")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", help="JSONL prompts ({prompt, answer}); default: the synthetic arithmetic task")
@@ -202,6 +215,15 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.save_interval and not args.save:
         parser.error("--save-interval needs --save")
     if args.rollout_backend == "sglang":
-        parser.error("--rollout-backend sglang is not available yet in this version (see README, Status)")
+        if args.rollout_server_urls and len(args.rollout_server_urls) != args.rollout_num_replicas:
+            parser.error(f"--rollout-server-urls has {len(args.rollout_server_urls)} URL(s) for "
+                         f"--rollout-num-replicas {args.rollout_num_replicas}")
+        if args.partial_rollout_max_tokens:
+            parser.error("--partial-rollout-max-tokens is a built-in engine feature; SGLang has no per-request "
+                         "token budget per weight version")
+    elif args.sglang or args.rollout_server_urls:
+        flags = [f"--sglang-{k.replace('_', '-')}" for k in args.sglang] + \
+            (["--rollout-server-urls"] if args.rollout_server_urls else [])
+        parser.error(f"{', '.join(flags)} need(s) --rollout-backend sglang")
     if args.rollout_temperature <= 0:
         parser.error(f"--rollout-temperature must be > 0 for RL sampling, got {args.rollout_temperature}")

@@ -92,21 +92,53 @@ def ddma_plan(args, spec: ModelSpec, roles: Roles):
 
 class GeneratorExecutor:
     def __init__(self, args, roles: Roles, spec: ModelSpec, tokenizer):
-        from megatron_rl.rollout.decoder import TPDecoder
-        from megatron_rl.rollout.engine import LocalEngine
-
         self.args, self.roles, self.spec = args, roles, spec
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        decoder = TPDecoder(spec, args.rollout_tensor_parallel_size, roles.rollout_tp_rank, roles.replica_group,
-                            dtype=dtype, fp8=args.rollout_fp8, max_slots=args.rollout_max_running + 1,
-                            max_seq_len=args.seq_length)
-        self.engine = LocalEngine(decoder, eos_token_ids=[tokenizer.eos_token_id], seed=args.seed,
-                                  chunk_tokens=args.partial_rollout_max_tokens)
-        self.dtype = dtype
+        self.dtype = torch.bfloat16 if args.bf16 else torch.float32
+        self.engine = self._sglang_engine(tokenizer) if args.rollout_backend == "sglang" else \
+            self._local_engine(tokenizer)
         self.plan = ddma_plan(args, spec, roles)
         self.control = Channel(roles.sync_group, TAG_CONTROL, last_kind="stop")
         self.rollouts = Channel(roles.sync_group, TAG_ROLLOUTS)
         self.stats = {"busy_s": 0.0, "idle_s": 0.0, "sync_s": 0.0, "tokens": 0}
+
+    def _local_engine(self, tokenizer):
+        from megatron_rl.rollout.decoder import TPDecoder
+        from megatron_rl.rollout.engine import LocalEngine
+
+        args = self.args
+        decoder = TPDecoder(self.spec, args.rollout_tensor_parallel_size, self.roles.rollout_tp_rank,
+                            self.roles.replica_group, dtype=self.dtype, fp8=args.rollout_fp8,
+                            max_slots=args.rollout_max_running + 1, max_seq_len=args.seq_length)
+        return LocalEngine(decoder, eos_token_ids=[tokenizer.eos_token_id], seed=args.seed,
+                           chunk_tokens=args.partial_rollout_max_tokens)
+
+    def _sglang_engine(self, tokenizer):
+        """The replica's leader launches its SGLang server on a config-only model directory (random
+        start-up weights, never served: the first DDMA publish brings the policy), or attaches to
+        --rollout-server-urls."""
+        import importlib.util
+
+        args, roles = self.args, self.roles
+        if importlib.util.find_spec("sglang") is None:
+            raise RuntimeError("--rollout-backend sglang: the sglang package is not installed in this environment "
+                               "(on CPU: bash tools/sglang_cpu/setup_env.sh, then run with .venv-sglang/bin/python)")
+        if args.rollout_fp8 and not torch.cuda.is_available():
+            raise RuntimeError("--rollout-fp8 with --rollout-backend sglang needs a GPU (SGLang's FP8 layers "
+                               "assert CUDA or AMX); use --rollout-backend local on CPU")
+        from megatron_rl.rollout.sglang_engine import start_replica_engine
+        from megatron_rl.rollout.sglang_server import write_model_dir
+
+        directory = os.path.join(args.output_dir, "sglang", f"replica{roles.replica}")
+        model_dir = write_model_dir(self.spec, os.path.join(directory, "model"), tokenizer.eos_token_id,
+                                    fp8=args.rollout_fp8) if roles.is_leader else None
+        flags = {"max_running_requests": args.rollout_max_running, "context_length": args.seq_length,
+                 "random_seed": args.seed, **args.sglang}
+        url = args.rollout_server_urls[roles.replica] if args.rollout_server_urls else None
+        return start_replica_engine(self.spec, args.rollout_tensor_parallel_size, roles.replica_group,
+                                    roles.is_leader, model_dir, os.path.join(directory, "server.log"), url=url,
+                                    extra_flags=flags, dtype="bfloat16" if args.bf16 else "float32",
+                                    max_total_tokens=max(args.rollout_max_running * args.seq_length, 8192),
+                                    timeout_s=args.rollout_server_timeout)
 
     def _messages(self) -> list:
         """The leader reads control messages (blocking only when there is nothing to decode) and shares
@@ -127,6 +159,13 @@ class GeneratorExecutor:
         return msgs
 
     def run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if hasattr(self.engine, "shutdown"):
+                self.engine.shutdown()
+
+    def _serve(self) -> None:
         meta: dict[str, dict] = {}
         while True:
             for kind, payload in self._messages():
@@ -335,6 +374,8 @@ class Controller:
         self.gen_stats: dict[int, dict] = {}
         self.version = -1
         self.consumed = 0
+        self.skipped_steps = self.consecutive_skips = 0  # optimizer steps skipped for NaN/Inf gradients
+        self.reward_failures, self.reward_failure_streak, self.last_reward_failure = Counter(), 0, None
         self.dispatched = Counter()  # prompt id -> times dispatched (each prompt exactly once)
         self._gen_totals = dict.fromkeys(("busy_s", "idle_s", "sync_s", "tokens"), 0.0)  # at the previous step
         self._rollout_log = open(os.path.join(args.output_dir, "rollouts.jsonl"), "w") if args.log_rollouts else None
@@ -392,6 +433,7 @@ class Controller:
         texts = [self.tokenizer.decode([t for t in o.token_ids if t != self.tokenizer.eos_token_id])
                  for o, _ in outputs]
         results = self.reward_fn(texts, [m["reference"] for _, m in outputs])
+        self.check_reward_failures(results)
         if times is not None:
             times.wait_s += waited
             times.reward_s += time.perf_counter() - start
@@ -406,6 +448,23 @@ class Controller:
                 temperature=self.args.rollout_temperature, reference=meta["reference"], reward=result.reward,
                 reward_status=result.status, num_retractions=out.num_retractions,
                 created_at=meta["dispatched_at"], finished_at=time.time()))
+
+    def check_reward_failures(self, results) -> None:
+        """Count infrastructure failures of the reward (timeouts, crashed workers: excluded from training,
+        never scored 0); a scorer that fails on every item for --max-consecutive-reward-failures verdicts in a
+        row is broken, and the run stops with its error rather than train on nothing."""
+        for result in results:
+            if result.is_failure:
+                self.reward_failures[result.status] += 1
+                self.reward_failure_streak += 1
+                self.last_reward_failure = result
+            else:
+                self.reward_failure_streak = 0
+        if self.reward_failure_streak >= self.args.max_consecutive_reward_failures:
+            r = self.last_reward_failure
+            raise RuntimeError(f"the reward function failed on the last {self.reward_failure_streak} samples in a "
+                               f"row (--max-consecutive-reward-failures {self.args.max_consecutive_reward_failures}); "
+                               f"last failure: {r.status}: {r.detail}")
 
     def log_outcomes(self, outcomes) -> None:
         if self._rollout_log is None:
@@ -523,7 +582,16 @@ class Controller:
         t = time.perf_counter()
         train_metrics = self.trainer.command("train", self.train_batch(groups))
         times.train_s = time.perf_counter() - t
-        times.sync_s = self.publish()
+        if train_metrics["update_successful"]:
+            self.consecutive_skips = 0
+            times.sync_s = self.publish()
+        else:  # NaN/Inf gradient: nothing changed, so nothing is published
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips > self.args.max_consecutive_skipped_steps:
+                raise RuntimeError(f"step {step}: {self.consecutive_skips} optimizer steps in a row had a NaN/Inf "
+                                   f"gradient (loss {train_metrics.get('loss')}); stopping "
+                                   f"(--max-consecutive-skipped-steps {self.args.max_consecutive_skipped_steps})")
         if not ahead:
             self.top_up(P)
         rollouts = [r for g in groups for r in g]
@@ -552,6 +620,8 @@ class Controller:
             **lag_summary(dict(lags)),
             "rollout_age_s": sum(ages) / max(len(ages), 1),  # wall time from dispatch to consumption
             "discards": dict(discards),
+            "skipped_steps": self.skipped_steps,
+            "reward_failures": dict(self.reward_failures),  # cumulative, by status
             "train": {k: v for k, v in train_metrics.items() if isinstance(v, (int, float))},
         }
 

@@ -34,6 +34,9 @@ def test_help_shows_megatron_groups_and_flags():
     (["--global-batch-size", "10", "--n-samples-per-prompt", "4"], "--global-batch-size 10 is not a multiple"),
     (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be >= 1, got 0"),
     (["--config", "no-such-config"], "--config 'no-such-config': no such file"),
+    (["--sglang-mem-fraction-static", "0.8"], "--sglang-mem-fraction-static need(s) --rollout-backend sglang"),
+    (["--rollout-backend", "sglang", "--rollout-num-replicas", "2", "--rollout-server-urls", "http://a:1"],
+     "--rollout-server-urls has 1 URL(s) for --rollout-num-replicas 2"),
 ])
 def test_bad_flags_fail_with_clear_messages(args, message):
     r = _cli(*args)

@@ -159,6 +159,30 @@ def test_positive_advantages_raise_logprobs():
     assert all(g > 0 for g in per_seq)
 
 
+def _nonfinite_rank():
+    import dataclasses
+
+    trainer = _setup(1, 1)  # 2 ranks: DP=2, the NaN sample lands on one of them
+    good = _batch()
+    bad = dataclasses.replace(good, advantages=good.advantages.clone())
+    bad.advantages[3] = 3e38  # finite, but its gradient overflows to Inf (NaN after the DP all-reduce)
+    before = _params(trainer)["params"]
+    skipped = trainer.train_step(bad)
+    after_skip = _params(trainer)["params"]
+    applied = trainer.train_step(good)
+    after_good = _params(trainer)["params"]
+    parallel.destroy()
+    unchanged = all(torch.equal(before[n], after_skip[n]) for n in before)
+    moved = any(not torch.equal(before[n], after_good[n]) for n in before)
+    return skipped["update_successful"], unchanged, applied["update_successful"], moved, trainer.step
+
+
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_everywhere():
+    for skipped, unchanged, applied, moved, steps in run_on_ranks(_nonfinite_rank, 2):
+        assert skipped is False and unchanged  # bit-identical weights after the skipped step
+        assert applied is True and moved and steps == 1
+
+
 # ---- checkpoints across layouts ------------------------------------------------------------------------------------
 
 def _save_rank(tp, pp, directory):

@@ -8,6 +8,7 @@ from `--sglang-<flag>` on the megatron-rl command line, passed through unchanged
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -30,6 +31,17 @@ CPU_FLAGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda
              "grammar_backend": "none"}
 
 
+LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"}
+
+
+def _die_with_parent() -> None:
+    """The server gets SIGKILL when the process that launched it dies, however it dies (SGLang's own
+    subprocesses follow their parent the same way), so a killed run leaves no server behind."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _flag_list(flags: dict) -> list[str]:
     out = []
     for key, value in flags.items():
@@ -41,13 +53,20 @@ def _flag_list(flags: dict) -> list[str]:
     return out
 
 
-def write_model_dir(spec: ModelSpec, directory: str, eos_token_id: int | None = None) -> str:
+def write_model_dir(spec: ModelSpec, directory: str, eos_token_id: int | None = None, fp8: bool = False) -> str:
     """An HF model directory with only config.json: the server starts with `--load-format dummy` (random
-    weights) and serves nothing until the first weight update gives it the policy."""
+    weights) and serves nothing until the first weight update gives it the policy. `fp8`: the config of a
+    block-FP8 checkpoint (e4m3 weights, one fp32 `weight_scale_inv` per 128 x 128 block), the format SGLang
+    can take FP8 weight updates in (DDMA sends exactly that)."""
     os.makedirs(directory, exist_ok=True)
     config = spec.to_hf_config()
     if eos_token_id is not None:
         config["eos_token_id"] = eos_token_id
+    if fp8:
+        from megatron_rl.rollout.fp8 import BLOCK
+
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [BLOCK, BLOCK]}
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return directory
@@ -73,7 +92,9 @@ class SGLangServer:
                  "load_format": load_format, "skip_tokenizer_init": True,
                  "weight_version": "-1" if load_format == "dummy" else "0",
                  "max_total_tokens": max_total_tokens}
-        env = dict(os.environ)
+        # The server runs its own torch.distributed world: it must not see this process's launcher settings
+        # (torchrun's RANK / WORLD_SIZE / MASTER_PORT would make its TP workers join the training job's).
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
         if not torch.cuda.is_available():
             flags.update(CPU_FLAGS)
             env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -84,7 +105,8 @@ class SGLangServer:
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *_flag_list(flags)],
-                                       stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                       stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                       preexec_fn=_die_with_parent)
         server = cls(f"http://{host}:{port}", process, log_path)
         try:
             server.wait_ready(timeout_s)

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.models.spec import ModelSpec
 from megatron_rl.trainer.model import build_gpt_model, transformer_config
@@ -129,9 +130,23 @@ def run_microbatches(
     )
 
 
+def grads_finite(policy: Policy) -> bool:
+    """True when every gradient on every trainer rank is finite (one all-reduce over the trainer)."""
+    local = all(bool(torch.isfinite(g).all()) for p in policy.model.parameters()
+                if (g := getattr(p, "main_grad", p.grad)) is not None)
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def optimizer_step(policy: Policy) -> dict[str, float]:
-    """Apply the accumulated gradients; zero the grad buffers for the next step."""
-    success, grad_norm, _ = policy.optimizer.step()
+    """Apply the accumulated gradients, unless one of them is NaN/Inf on any trainer rank: then the step is
+    skipped (weights and optimizer state untouched, as Megatron does on a loss-scale overflow); megatron's
+    fp32 and bf16 optimizers have no such check of their own. Zeroes the grad buffers for the next step."""
+    if grads_finite(policy):
+        success, grad_norm, _ = policy.optimizer.step()
+    else:
+        success, grad_norm = False, None
     policy.model.zero_grad_buffer()
     policy.optimizer.zero_grad()
     return {"update_successful": bool(success), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}

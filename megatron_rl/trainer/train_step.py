@@ -162,9 +162,9 @@ class PolicyTrainer:
         stats = run_microbatches(self.policy, self._microbatches(batch),
                                  lambda logits, mb: policy_loss(self.algo, logits, mb, vocab, normalizer))
         step = optimizer_step(self.policy)
-        if self.scheduler is not None:
-            self.scheduler.step(increment=1)
-        self.step += 1
+        if self.scheduler is not None and step["update_successful"]:
+            self.scheduler.step(increment=1)  # a skipped step does not advance the schedule (as in Megatron)
+        self.step += step["update_successful"]
         metrics = None
         if ps.is_pipeline_last_stage():
             metrics = self._reduce_stats(stats)
