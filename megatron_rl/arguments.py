@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "started with --skip-tokenizer-init and the run's model) instead of launching them")
     g.add_argument("--rollout-server-timeout", type=float, default=600.0,
                    help="seconds an SGLang server may take to start and answer /health")
+    g.add_argument("--rollout-server-stall-timeout", type=float, default=300.0,
+                   help="an SGLang server that finishes no request for this long and then fails /health is "
+                        "restarted")
+    g.add_argument("--rollout-server-max-restarts", type=int, default=3,
+                   help="restarts of a failed SGLang server (re-synced, unfinished requests re-run) before the "
+                        "run stops")
     g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
     g.add_argument("--rollout-num-replicas", type=int, default=1)
     g.add_argument("--rollout-fp8", action="store_true", help="generators serve block-FP8 weights")
@@ -163,12 +169,40 @@ def load_config(name_or_path: str, parser: argparse.ArgumentParser) -> dict:
             config = json.load(f)
     except json.JSONDecodeError as e:
         parser.error(f"--config {path}: invalid JSON ({e})")
-    known = {a.dest for a in parser._actions}
+    if not isinstance(config, dict):
+        parser.error(f"--config {path}: must be a JSON object of flag values, got {type(config).__name__}")
+    actions = {a.dest: a for a in parser._actions}
     config = {k: v for k, v in config.items() if not k.startswith("_")}
-    unknown = sorted(set(config) - known)
+    unknown = sorted(set(config) - set(actions))
     if unknown:
         parser.error(f"--config {path}: unknown field(s) {unknown} (fields are flag names with '_' for '-')")
+    for key, value in config.items():
+        problem = _config_value_problem(actions[key], value)
+        if problem:
+            parser.error(f"--config {path}: field {key!r} {problem}")
     return config
+
+
+def _config_value_problem(action: argparse.Action, value) -> str | None:
+    """Why a JSON value cannot stand for this flag (None if it can): the types argparse would parse."""
+    if value is None:
+        return None
+    values = value if action.nargs in ("+", "*") and isinstance(value, list) else [value]
+    for v in values:
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            expected = bool
+        elif action.type is int:
+            expected = int
+        elif action.type is float:
+            expected = (int, float)
+        else:
+            expected = str
+        if not isinstance(v, expected) or (expected is int and isinstance(v, bool)):
+            name = expected.__name__ if isinstance(expected, type) else "float"
+            return f"must be {name}, got {type(v).__name__}"
+        if action.choices is not None and v not in action.choices:
+            return f"must be one of {list(action.choices)}, got {v!r}"
+    return None
 
 
 def parse_args(argv=None) -> argparse.Namespace:

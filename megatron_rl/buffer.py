@@ -82,6 +82,9 @@ class RolloutBuffer:
             raise ValueError(f"duplicate rollout {rollout.prompt_id}#{rollout.sample_index}")
         group.append(rollout)
 
+    def sample_indices(self, prompt_id: str) -> set[int]:
+        return {r.sample_index for r in self._groups.get(prompt_id, [])}
+
     def complete_groups(self) -> int:
         return sum(len(g) == self.group_size for g in self._groups.values())
 

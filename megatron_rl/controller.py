@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms import lag_summary
+from megatron_rl import checkpointing
 from megatron_rl.buffer import Rollout, RolloutBuffer
 from megatron_rl.channels import Channel
 from megatron_rl.ddma.plan import GeneratorLayout, TrainerLayout, make_plan
@@ -42,6 +43,24 @@ TAG_CONTROL, TAG_ROLLOUTS = 11, 12
 
 def stable_seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
 
 
 # ---- set-up shared by all roles ------------------------------------------------------------------------------------
@@ -138,7 +157,9 @@ class GeneratorExecutor:
                                     roles.is_leader, model_dir, os.path.join(directory, "server.log"), url=url,
                                     extra_flags=flags, dtype="bfloat16" if args.bf16 else "float32",
                                     max_total_tokens=max(args.rollout_max_running * args.seq_length, 8192),
-                                    timeout_s=args.rollout_server_timeout)
+                                    timeout_s=args.rollout_server_timeout,
+                                    stall_timeout_s=args.rollout_server_stall_timeout,
+                                    max_restarts=args.rollout_server_max_restarts)
 
     def _messages(self) -> list:
         """The leader reads control messages (blocking only when there is nothing to decode) and shares
@@ -191,6 +212,8 @@ class GeneratorExecutor:
                 start = time.perf_counter()
                 finished = self.engine.step()
                 self.stats["busy_s"] += time.perf_counter() - start
+                self.stats["engine_restarts"] = getattr(self.engine, "restarts", 0)
+                self.stats["rerun_requests"] = getattr(self.engine, "rerun_requests", 0)
                 if finished and self.roles.is_leader:
                     self.stats["tokens"] += sum(len(o.token_ids) for o in finished)
                     self.rollouts.send(("rollouts", ([(o, meta.pop(o.request_id)) for o in finished],
@@ -298,11 +321,18 @@ class TrainerExecutor:
             from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
 
             directory, extra = payload
+            os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
+            torch.save(rng_state(), os.path.join(directory, "rng", f"rank{dist.get_rank():05d}.pt"))
+            dist.barrier()
             return save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler, extra)
         if name == "load":
             from megatron_rl.trainer.checkpoint import load_trainer_checkpoint
 
-            return load_trainer_checkpoint(self.trainer.policy, payload, self.scheduler)
+            extra = load_trainer_checkpoint(self.trainer.policy, payload, self.scheduler)
+            rng_file = os.path.join(payload, "rng", f"rank{dist.get_rank():05d}.pt")
+            if os.path.isfile(rng_file):  # absent when resuming with more trainer ranks than were saved
+                set_rng_state(torch.load(rng_file, weights_only=False))
+            return extra
         if name == "stop":
             return None
         raise ValueError(f"unknown trainer command {name!r}")
@@ -370,6 +400,7 @@ class Controller:
         self.leaders = [roles.leader(r) for r in range(args.rollout_num_replicas)]
         self.prompts_per_step = args.global_batch_size // args.n_samples_per_prompt
         self.outstanding = 0  # RL prompts dispatched whose group has not left the buffer
+        self.inflight: dict[str, dict] = {}  # those prompts, by id (saved in checkpoints to resend after a crash)
         self.eval_rewards: dict[str, float] = {}
         self.gen_stats: dict[int, dict] = {}
         self.version = -1
@@ -378,7 +409,13 @@ class Controller:
         self.reward_failures, self.reward_failure_streak, self.last_reward_failure = Counter(), 0, None
         self.dispatched = Counter()  # prompt id -> times dispatched (each prompt exactly once)
         self._gen_totals = dict.fromkeys(("busy_s", "idle_s", "sync_s", "tokens"), 0.0)  # at the previous step
-        self._rollout_log = open(os.path.join(args.output_dir, "rollouts.jsonl"), "w") if args.log_rollouts else None
+        # On a resume the logs continue from the checkpoint's step: lines of later (lost) steps are dropped.
+        resume_step = checkpointing.latest_checkpoint_step(args.load) if args.load else None
+        rollout_log = os.path.join(args.output_dir, "rollouts.jsonl")
+        if resume_step is not None:
+            for name in ("metrics.jsonl", "rollouts.jsonl"):
+                checkpointing.truncate_jsonl_after_step(os.path.join(args.output_dir, name), resume_step)
+        self._rollout_log = open(rollout_log, "a" if args.load else "w") if args.log_rollouts else None
         self.logger = MetricsLogger(args.output_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
                                     args.tensorboard_dir, config={k: v for k, v in vars(args).items()
                                                                   if isinstance(v, (int, float, str, bool))},
@@ -390,16 +427,20 @@ class Controller:
         bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         return bos + self.tokenizer.encode(text, add_special_tokens=False)
 
-    def dispatch(self, problems: list[dict], samples: int, params: dict, eval_: bool = False) -> None:
+    def dispatch(self, problems: list[dict], samples: int | list[int], params: dict, eval_: bool = False,
+                 resent: bool = False) -> None:
+        """Send `samples` (a count, or the sample indices) of each problem to a generator. `resent`: samples lost
+        in flight at a crash, sent again after a resume (not a new dispatch of the prompt)."""
         by_leader = defaultdict(list)
         for problem in problems:
             pid = str(problem["id"])
-            if not eval_:
+            if not eval_ and not resent:
                 self.dispatched[pid] += 1
+                self.inflight[pid] = problem
             prompt = self.encode_prompt(problem["prompt"])
             leader = self.leaders[self._next_leader % len(self.leaders)]
             self._next_leader += 1
-            for k in range(samples):
+            for k in (range(samples) if isinstance(samples, int) else samples):
                 rid = f"{'eval:' if eval_ else ''}{pid}#{k}"
                 meta = {"prompt_id": pid, "sample_index": k, "reference": problem["answer"], "eval": eval_,
                         "dispatched_at": time.time()}
@@ -466,12 +507,12 @@ class Controller:
                                f"row (--max-consecutive-reward-failures {self.args.max_consecutive_reward_failures}); "
                                f"last failure: {r.status}: {r.detail}")
 
-    def log_outcomes(self, outcomes) -> None:
+    def log_outcomes(self, step: int, outcomes) -> None:
         if self._rollout_log is None:
             return
         for r, reason in outcomes:
             self._rollout_log.write(json.dumps({
-                "prompt_id": r.prompt_id, "sample_index": r.sample_index, "versions": r.versions,
+                "step": step, "prompt_id": r.prompt_id, "sample_index": r.sample_index, "versions": r.versions,
                 "consumed_at_version": self.version, "lag": self.version - r.oldest_version,
                 "outcome": reason or "trained", "reward": r.reward, "reward_status": r.reward_status,
                 "finish_reason": r.finish_reason, "num_retractions": r.num_retractions,
@@ -488,31 +529,53 @@ class Controller:
 
     # -- checkpoints (Megatron's layout: iter_NNNNNNN/ and latest_checkpointed_iteration.txt) ----------------------
     def save_checkpoint(self, step: int) -> None:
+        """The whole RL state: the trainer's (model, optimizer, schedule, RNG; written by every trainer rank)
+        and the controller's (step, weight version, data cursor, rollout buffer with incomplete groups, the
+        prompts in flight, counters) in rl_state.json. Written to iter_N.partial, renamed when complete, and
+        only then named by the tracker (megatron_rl/checkpointing.py)."""
         import shutil
 
-        final = os.path.join(self.args.save, f"iter_{step:07d}")
+        final = checkpointing.iteration_dir(self.args.save, step)
         partial = final + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
         extra = {"step": step, "weight_version": self.version, "consumed_samples": self.consumed,
                  "source": self.source.state_dict()}
         self.trainer.command("save", (partial, extra))
+        checkpointing.write_json_durably(os.path.join(partial, checkpointing.RL_STATE_FILE), {
+            "step": step, "model": checkpointing.model_fields(self.trainer.spec), "buffer": self.buffer.state_dict(),
+            "inflight": self.inflight, "outstanding": self.outstanding, "dispatched": dict(self.dispatched),
+            "skipped_steps": self.skipped_steps, "reward_failures": dict(self.reward_failures)})
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)  # a crash before this line leaves the previous checkpoint as the latest
-        tracker = os.path.join(self.args.save, "latest_checkpointed_iteration.txt")
-        with open(tracker + ".tmp", "w") as f:
-            f.write(str(step))
-        os.replace(tracker + ".tmp", tracker)
+        os.replace(partial, final)
+        checkpointing.publish_tracker(self.args.save, step)
 
     def load_checkpoint(self) -> int:
-        tracker = os.path.join(self.args.load, "latest_checkpointed_iteration.txt")
-        if not os.path.isfile(tracker):
-            raise ValueError(f"--load {self.args.load!r}: no latest_checkpointed_iteration.txt")
-        with open(tracker) as f:
-            step = int(f.read().strip())
-        extra = self.trainer.command("load", os.path.join(self.args.load, f"iter_{step:07d}"))
+        step = checkpointing.check_checkpoint(self.args.load, self.trainer.spec)
+        state = checkpointing.read_rl_state(self.args.load, step)
+        extra = self.trainer.command("load", checkpointing.iteration_dir(self.args.load, step))
         self.version, self.consumed = extra["weight_version"], extra["consumed_samples"]
         self.source.load_state_dict(extra["source"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.inflight, self.outstanding = state["inflight"], state["outstanding"]
+        self.dispatched = Counter(state["dispatched"])
+        self.skipped_steps, self.reward_failures = state["skipped_steps"], Counter(state["reward_failures"])
         return extra["step"]
+
+    def resend_lost_samples(self, step: int) -> None:
+        """After a resume: samples of the prompts in flight at the checkpoint that were not in its buffer died
+        with the crashed generators; send them again (same request ids and seeds) and record why."""
+        lost = {pid: [k for k in range(self.args.n_samples_per_prompt) if k not in self.buffer.sample_indices(pid)]
+                for pid in self.inflight}
+        lost = {pid: ks for pid, ks in lost.items() if ks}
+        for pid, samples in lost.items():
+            self.dispatch([self.inflight[pid]], samples, self.rl_params(), resent=True)
+            if self._rollout_log is not None:
+                for k in samples:
+                    self._rollout_log.write(json.dumps({"step": step, "prompt_id": pid, "sample_index": k,
+                                                        "outcome": "in flight at the checkpoint: generated again"})
+                                            + "\n")
+        print(f"resumed at step {step}: {self.buffer.pending()} buffered rollouts kept, "
+              f"{sum(map(len, lost.values()))} in-flight samples of {len(lost)} prompts generated again", flush=True)
 
     # -- phases --------------------------------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -571,12 +634,14 @@ class Controller:
             batch = self.buffer.take(P - len(groups), self.version, drop_uniform=None if not exhausted else False)
             popped += batch.popped
             self.outstanding -= batch.popped
+            for r, _ in batch.outcomes:
+                self.inflight.pop(r.prompt_id, None)
             groups += batch.groups
             discards.update(batch.discards)
             lags.update(batch.lag_histogram)
             sampled_rewards += batch.sampled_rewards
             ages += [batch.age_seconds_mean] * len(batch.groups)
-            self.log_outcomes(batch.outcomes)
+            self.log_outcomes(step, batch.outcomes)
         if ahead:
             self.top_up(P)  # the next step's prompts generate while this step trains
         t = time.perf_counter()
@@ -621,6 +686,8 @@ class Controller:
             "rollout_age_s": sum(ages) / max(len(ages), 1),  # wall time from dispatch to consumption
             "discards": dict(discards),
             "skipped_steps": self.skipped_steps,
+            "generator_restarts": sum(s.get("engine_restarts", 0) for s in self.gen_stats.values()),
+            "rerun_requests": sum(s.get("rerun_requests", 0) for s in self.gen_stats.values()),
             "reward_failures": dict(self.reward_failures),  # cumulative, by status
             "train": {k: v for k, v in train_metrics.items() if isinstance(v, (int, float))},
         }
@@ -631,9 +698,11 @@ class Controller:
         args = self.args
         start_step = 0
         if args.load:
-            start_step = self.load_checkpoint()  # the trainer's weights, optimizer, schedule and data cursor
+            start_step = self.load_checkpoint()  # the trainer's and the controller's state
             self.version -= 1  # publish() below re-publishes the loaded weights under their version
         self.publish()  # generators start empty: the first publish gives them the policy
+        if args.load:
+            self.resend_lost_samples(start_step)
         if args.sft_warmup_iters and not args.load:
             self.sft_warmup()
             self.publish()

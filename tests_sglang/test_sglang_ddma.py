@@ -23,7 +23,7 @@ def _trainer_tp2_to_sglang_tp2(model_dir, log_dir):
     from megatron_rl.models import layout as L
     from megatron_rl.models.safetensors_io import HFCheckpoint
     from megatron_rl.rollout.sglang_engine import start_replica_engine
-    from megatron_rl.rollout.sglang_server import SGLangServerError
+    from megatron_rl.rollout.sglang_engine import RolloutContractError
 
     rank = dist.get_rank()
     trainer, generator = TrainerLayout(2, 1, 1, dtype_bytes=4), GeneratorLayout(2, 1, first_rank=2)
@@ -41,7 +41,7 @@ def _trainer_tp2_to_sglang_tp2(model_dir, log_dir):
         if rank == 2:
             try:
                 engine.generate([PROMPTS[0]], SamplingParams(**GREEDY))
-            except SGLangServerError as e:
+            except RolloutContractError as e:
                 result["before_sync"] = str(e)
         dist.barrier()
         stats = publish(plan, rank, version=1, engine=engine, transport=TorchDistTransport())

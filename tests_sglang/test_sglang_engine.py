@@ -125,14 +125,31 @@ def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
         SGLangServer.launch(str(tmp_path), 1, free_port(), str(tmp_path / "server.log"), timeout_s=300)
 
 
-def test_a_server_that_dies_mid_generation_is_reported_not_awaited(engine):
-    """Runs last in this module: it kills the module's server."""
+def test_a_server_that_dies_is_restarted_resynced_and_its_requests_rerun(engine, model_b):
+    """Runs after the retract test: the engine serves model B as version 1, the server's disk holds model A."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    per_token = _seconds_per_token(engine)
+    engine.add_request(PROMPTS[2], params, "killed")
+    time.sleep(100 * per_token)
+    os.killpg(engine.server.process.pid, signal.SIGKILL)
+    out = None
+    while out is None:
+        out = next(iter(engine.step(timeout_s=1.0)), None)
+    assert engine.restarts == 1 and engine.rerun_requests == 1
+    # re-run from its prompt under the re-sent weights (model B, version 1), not the disk's model A
+    want = reference(model_b).generate([PROMPTS[2]], params)[0]
+    assert out.request_id == "killed" and out.token_ids == want.token_ids and out.versions == [1] * 400
+
+
+def test_a_server_that_keeps_dying_stops_with_its_log(engine):
+    """Runs last in this module: it kills the module's server for good."""
+    engine.max_restarts = engine.restarts
     per_token = _seconds_per_token(engine)
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=1500, ignore_eos=True), "doomed")
     time.sleep(100 * per_token)
     os.killpg(engine.server.process.pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(SGLangServerError, match="exited with code -9(.|\n)*last lines"):
+    with pytest.raises(SGLangServerError, match="failed again after 1 restart(.|\n)*exited with code -9(.|\n)*last lines"):
         while time.monotonic() - start < 30:
             assert not engine.step(timeout_s=0.5), "the request finished before the server was killed"
     assert time.monotonic() - start < 30

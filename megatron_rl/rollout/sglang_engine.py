@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import time
 from typing import Iterable
 
 import torch
@@ -35,6 +36,10 @@ from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
 from megatron_rl.rollout.types import LOGPROB_CONVENTION, RolloutOutput, SamplingParams
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class RolloutContractError(ValueError):
+    """A response that breaks the rollout contract (token ids, log-probs, versions, finish reason)."""
 
 
 def sglang_sampling_params(params: SamplingParams) -> dict:
@@ -52,10 +57,10 @@ def expand_versions(spans: list, num_tokens: int, request_id: str) -> list[int]:
     for span in spans:
         version, start, end = (span["version"], span["start"], span["end"]) if isinstance(span, dict) else span
         if start != len(versions):
-            raise SGLangServerError(f"request {request_id}: weight_versions spans {spans} do not tile its tokens")
+            raise RolloutContractError(f"request {request_id}: weight_versions spans {spans} do not tile its tokens")
         versions += [int(version)] * (end - start)
     if len(versions) != num_tokens:
-        raise SGLangServerError(f"request {request_id}: weight_versions spans cover {len(versions)} tokens, "
+        raise RolloutContractError(f"request {request_id}: weight_versions spans cover {len(versions)} tokens, "
                                 f"the output has {num_tokens}")
     return versions
 
@@ -65,35 +70,44 @@ def parse_generate_response(request_id: str, prompt: list[int], response: dict) 
     token_ids = list(response["output_ids"])
     entries = meta["output_token_logprobs"]
     if [e[1] for e in entries] != token_ids:
-        raise SGLangServerError(f"request {request_id}: output_token_logprobs do not match output_ids")
+        raise RolloutContractError(f"request {request_id}: output_token_logprobs do not match output_ids")
     versions = expand_versions(meta.get("weight_versions") or [], len(token_ids), request_id)
     if any(v < 0 for v in versions):
-        raise SGLangServerError(f"request {request_id} was served by weight version {min(versions)}: the server's "
+        raise RolloutContractError(f"request {request_id} was served by weight version {min(versions)}: the server's "
                                 "start-up weights, never the policy's (a server restarted without a weight sync?)")
     reason = meta["finish_reason"]
     reason = reason.get("type") if isinstance(reason, dict) else reason
     if reason not in FINISH_REASONS:
-        raise SGLangServerError(f"request {request_id}: unknown finish_reason {meta['finish_reason']!r}")
+        raise RolloutContractError(f"request {request_id}: unknown finish_reason {meta['finish_reason']!r}")
     return RolloutOutput(request_id, list(prompt), token_ids, [float(e[0]) for e in entries], versions,
                          FINISH_REASONS[reason], int(meta.get("num_retractions", 0)), LOGPROB_CONVENTION)
 
 
 class SGLangEngine:
     def __init__(self, spec: ModelSpec, server: SGLangServer | None, group=None, max_concurrency: int = 256,
-                 request_timeout_s: float | None = None):
+                 stall_timeout_s: float = 300.0, max_restarts: int = 3):
         """`server`: on the replica's leader; None on its other ranks (they only take part in weight
-        updates). `group`: the replica's process group (None when the replica has one rank)."""
+        updates). `group`: the replica's process group (None when the replica has one rank).
+
+        Faults: a server that exits, drops a request, or finishes nothing for `stall_timeout_s` while
+        requests are pending and then fails a health check is restarted (launched servers only), given the
+        current weights again (every rank keeps its last shards for that) and sent the unfinished requests
+        again from their prompts; after `max_restarts` restarts the next fault is raised."""
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in ("1", "true"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would report log-probs before "
                              f"temperature, but the trainer's importance weights assume {LOGPROB_CONVENTION!r}")
         self.spec, self.server, self.group = spec, server, group
         self.is_leader = server is not None
-        self.request_timeout_s = request_timeout_s
+        self.stall_timeout_s, self.max_restarts = stall_timeout_s, max_restarts
         self.weight_version = -1
         self.paused = False
+        self.restarts = 0
+        self.rerun_requests = 0  # requests sent again after a restart
         self._pool = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-request")
-        self._pending: dict[cf.Future, tuple[str, list[int]]] = {}
+        self._pending: dict[cf.Future, tuple[str, list[int], dict]] = {}
         self._staged: dict[str, torch.Tensor] | None = None
+        self._serving: tuple[dict[str, torch.Tensor], list[str]] | None = None  # last shards and all ranks' handles
+        self._last_progress = time.monotonic()
 
     # ---- requests (leader) ----------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> str:
@@ -107,9 +121,12 @@ class SGLangEngine:
                              f"[0, {self.spec.vocab_size}): {bad[:5]}")
         body = {"input_ids": list(prompt_token_ids), "sampling_params": sglang_sampling_params(params),
                 "return_logprob": True, "rid": request_id}
-        future = self._pool.submit(self.server.post, "/generate", body, self.request_timeout_s)
-        self._pending[future] = (request_id, list(prompt_token_ids))
+        self._submit(request_id, list(prompt_token_ids), body)
         return request_id
+
+    def _submit(self, request_id: str, prompt: list[int], body: dict) -> None:
+        future = self._pool.submit(self.server.post, "/generate", body, None)
+        self._pending[future] = (request_id, prompt, body)
 
     def has_work(self) -> bool:
         return bool(self._pending)
@@ -119,17 +136,60 @@ class SGLangEngine:
         return len(self._pending)
 
     def step(self, timeout_s: float = 0.05) -> list[RolloutOutput]:
-        """Outputs of the requests that finished (waiting at most `timeout_s` for the first one)."""
+        """Outputs of the requests that finished (waiting at most `timeout_s` for the first one). A server
+        fault restarts the server and re-runs the unfinished requests (see __init__)."""
         if not self._pending:
+            self._last_progress = time.monotonic()
             return []
         done, _ = cf.wait(list(self._pending), timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
-        if not done and not self.server.alive():
+        try:
+            if not done and not self.paused:
+                self._check_alive()
+            outputs = [self._collect(f) for f in done]
+        except SGLangServerError as fault:
+            self._recover(fault)
+            return []
+        if outputs:
+            self._last_progress = time.monotonic()
+        return outputs
+
+    def _check_alive(self) -> None:
+        if not self.server.alive():
             self.server.post("/health")  # raises with the server's exit code and log tail
-        return [self._collect(f) for f in done]
+        if time.monotonic() - self._last_progress > self.stall_timeout_s:
+            try:
+                self.server.get("/health", timeout=30.0)
+            except SGLangServerError as e:
+                raise SGLangServerError(f"no request finished for {self.stall_timeout_s:.0f} s and the server fails "
+                                        f"its health check: {e}") from e
+            self._last_progress = time.monotonic()  # slow but healthy: look again after another timeout
 
     def _collect(self, future: cf.Future) -> RolloutOutput:
-        request_id, prompt = self._pending.pop(future)
-        return parse_generate_response(request_id, prompt, future.result())
+        request_id, prompt, _ = self._pending[future]
+        response = future.result()  # a server fault raises here and leaves the request pending, to run again
+        del self._pending[future]
+        return parse_generate_response(request_id, prompt, response)
+
+    def _recover(self, fault: SGLangServerError) -> None:
+        """Restart the server, give it the serving weights again, re-run every unfinished request."""
+        if self.restarts >= self.max_restarts:
+            raise SGLangServerError(f"SGLang server {self.server.url} failed again after {self.restarts} restart(s); "
+                                    f"giving up: {fault}") from fault
+        self.restarts += 1
+        print(f"[megatron-rl] SGLang server {self.server.url} failed ({str(fault).splitlines()[0]}); restart "
+              f"{self.restarts}/{self.max_restarts}, then {len(self._pending)} unfinished request(s) run again",
+              flush=True)
+        pending = list(self._pending.values())
+        self._pending.clear()
+        self.server.start()
+        if self._serving is not None:
+            self._post_weights(self._serving[1], self.weight_version)
+        if self.paused:  # mid weight update: the requests wait in SGLang's queue for continue_generation
+            self.server.post("/pause_generation", {"mode": "retract"})
+        for request_id, prompt, body in pending:
+            self._submit(request_id, prompt, body)
+        self.rerun_requests += len(pending)
+        self._last_progress = time.monotonic()
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                  request_ids: list[str] | None = None) -> list[RolloutOutput]:
@@ -152,7 +212,12 @@ class SGLangEngine:
         self.paused = True
         if not self.is_leader:
             return []
-        self.server.post("/pause_generation", {"mode": mode})
+        try:
+            self.server.post("/pause_generation", {"mode": mode})
+        except SGLangServerError as fault:
+            if self.server.alive():
+                raise
+            self._recover(fault)  # restarted paused: the requests are queued again
         if mode == "retract":
             return []
         return [self._collect(f) for f in cf.wait(list(self._pending)).done]
@@ -160,7 +225,12 @@ class SGLangEngine:
     def continue_generation(self) -> None:
         self.paused = False
         if self.is_leader:
-            self.server.post("/continue_generation", {})
+            try:
+                self.server.post("/continue_generation", {})
+            except SGLangServerError as fault:
+                if self.server.alive():
+                    raise
+                self._recover(fault)  # restarted unpaused: the requests run again
 
     def begin_weight_update(self) -> None:
         if self.is_leader and self._pending and not self.paused:
@@ -191,12 +261,13 @@ class SGLangEngine:
         status = [None]
         if self.is_leader:
             try:
-                self.server.post("/begin_weight_update", {})
-                result = self.server.post("/update_weights_from_tensor", {
-                    "serialized_named_tensors": handles, "load_format": "direct", "flush_cache": True,
-                    "weight_version": str(version)})
-                self.server.post("/end_weight_update", {})
-                status[0] = None if result.get("success") else result.get("message", str(result))
+                try:
+                    self._post_weights(handles, version)
+                except SGLangServerError as fault:
+                    if self.server.alive():
+                        raise
+                    self._recover(fault)  # a server that died during the update: restart it, then update
+                    self._post_weights(handles, version)
             except SGLangServerError as e:
                 status[0] = str(e)
         if self.group is not None and dist.get_world_size(self.group) > 1:
@@ -204,7 +275,18 @@ class SGLangEngine:
         if status[0] is not None:
             raise SGLangServerError(f"SGLang weight update to version {version} failed: {status[0]}")
         self.weight_version = version
-        del staged  # the server has copied every shard into its parameters
+        # The server copied every shard; this rank keeps its own (one copy of its shard in host memory) so that a
+        # restarted server can be given the serving weights without the trainer.
+        self._serving = (staged, handles)
+
+    def _post_weights(self, handles: list[str], version: int) -> None:
+        self.server.post("/begin_weight_update", {})
+        result = self.server.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": handles, "load_format": "direct", "flush_cache": True,
+            "weight_version": str(version)})
+        self.server.post("/end_weight_update", {})
+        if not result.get("success"):
+            raise SGLangServerError(f"update_weights_from_tensor: {result.get('message', result)}")
 
     def _gather(self, handle: str) -> list[str]:
         if self.group is None or dist.get_world_size(self.group) == 1:
@@ -225,7 +307,7 @@ class SGLangEngine:
 def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, model_dir: str, log_path: str,
                          port: int | None = None, url: str | None = None, extra_flags: dict | None = None,
                          dtype: str = "float32", load_format: str = "dummy", max_total_tokens: int = 65536,
-                         timeout_s: float = 600.0) -> SGLangEngine:
+                         timeout_s: float = 600.0, **engine_options) -> SGLangEngine:
     """Called on every rank of a generator replica. The leader launches its SGLang server (or attaches to
     `url`) and checks that it serves `spec` at `tp_size`; every rank learns whether that worked and raises
     the leader's error if not, so no rank is left waiting on a replica that never came up."""
@@ -249,4 +331,4 @@ def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, 
         dist.broadcast_object_list(error, src=dist.get_global_rank(group, 0), group=group)
     if error[0] is not None:
         raise SGLangServerError(f"generator replica failed to start its SGLang engine: {error[0]}")
-    return SGLangEngine(spec, server if is_leader else None, group)
+    return SGLangEngine(spec, server if is_leader else None, group, **engine_options)

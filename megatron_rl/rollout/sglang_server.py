@@ -73,10 +73,13 @@ def write_model_dir(spec: ModelSpec, directory: str, eos_token_id: int | None = 
 
 
 class SGLangServer:
-    def __init__(self, url: str, process: subprocess.Popen | None = None, log_path: str | None = None):
+    def __init__(self, url: str, log_path: str | None = None, command: list[str] | None = None,
+                 env: dict | None = None, timeout_s: float = 600.0):
+        """`command`: how this object launches (and relaunches) the server; None for an attached one."""
         self.url = url.rstrip("/")
-        self.process = process
         self.log_path = log_path
+        self.command, self.env, self.timeout_s = command, env, timeout_s
+        self.process: subprocess.Popen | None = None
         self.http = requests.Session()
 
     # ---- start -------------------------------------------------------------------------------------------------
@@ -103,21 +106,31 @@ class SGLangServer:
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp_size)))
         flags.update(extra_flags or {})
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", *_flag_list(flags)],
-                                       stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                       preexec_fn=_die_with_parent)
-        server = cls(f"http://{host}:{port}", process, log_path)
-        try:
-            server.wait_ready(timeout_s)
-        except BaseException:
-            server.shutdown()
-            raise
+        server = cls(f"http://{host}:{port}", log_path, [sys.executable, "-m", "sglang.launch_server",
+                                                          *_flag_list(flags)], env, timeout_s)
+        server.start()
         return server
+
+    def start(self) -> None:
+        """Start (or, after a failure, restart) the launched server and wait until it answers."""
+        if self.command is None:
+            raise SGLangServerError(f"SGLang server {self.url} was attached, not launched by this run: it cannot be "
+                                    "restarted from here")
+        self.shutdown()
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n===== megatron-rl: starting {' '.join(self.command)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            self.wait_ready(self.timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
 
     @classmethod
     def attach(cls, url: str, timeout_s: float = 60.0) -> "SGLangServer":
-        server = cls(url)
+        server = cls(url, timeout_s=timeout_s)
         server.wait_ready(timeout_s)
         return server
 
@@ -206,16 +219,17 @@ class SGLangServer:
                                     + self._tail_text())
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop a server this object launched (its whole process group: scheduler and TP workers too)."""
-        if self.process is None or self.process.poll() is not None:
+        """Stop a server this object launched: its whole process group (scheduler and TP workers too)."""
+        if self.process is None:
             return
-        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+        if self.process.poll() is None:
             try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.process.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout_s)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:  # whatever is left of the group, including children of a leader that already exited
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()

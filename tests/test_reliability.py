@@ -1,0 +1,174 @@
+"""Reliability: a run killed with SIGKILL (after a checkpoint, and in the middle of writing one) resumes
+exactly, through the user's interface (examples/run_tiny_aipo.sh with --save/--load); bad input of every
+kind (dataset lines, configs, checkpoint directories) stops the run at start with an error naming it."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--sft-warmup-iters", "2", "--train-iters", "8", "--eval-size", "8", "--global-batch-size", "16",
+         "--micro-batch-size", "8", "--rollout-max-response-len", "4", "--reward-num-workers", "1",
+         "--log-rollouts", "--keep-uniform-groups", "--max-oversample", "2"]
+
+
+def _start(out, *flags):
+    from megatron_rl.launch import free_port
+
+    env = {**os.environ, "OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    log = open(out.parent / f"{out.name}-{time.monotonic_ns()}.log", "w")
+    return subprocess.Popen(["bash", "examples/run_tiny_aipo.sh", *SMALL, *flags], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log.name
+
+
+def _kill_when(process, condition, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "timed out waiting to kill the run"
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _rows(path):
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def crashed_and_resumed(tmp_path_factory):
+    base = tmp_path_factory.mktemp("crash")
+    out, ckpt = base / "out", base / "ckpt"
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    run, _ = _start(out, "--save", str(ckpt), "--save-interval", "2")
+    _kill_when(run, lambda: tracker.exists() and tracker.read_text() == "4")
+    state_at_4 = json.loads((ckpt / "iter_0000004" / "rl_state.json").read_text())
+    # resume, and kill again while the step-6 checkpoint is being written
+    run, _ = _start(out, "--save", str(ckpt), "--save-interval", "2", "--load", str(ckpt))
+    _kill_when(run, lambda: (ckpt / "iter_0000006.partial").exists())
+    tracker_after_mid_save_kill = tracker.read_text()
+    run, log = _start(out, "--save", str(ckpt), "--save-interval", "2", "--load", str(ckpt))
+    assert run.wait(600) == 0, open(log).read()[-3000:]
+    return out, state_at_4, tracker_after_mid_save_kill, open(log).read()
+
+
+def test_a_kill_mid_save_leaves_the_previous_checkpoint_latest(crashed_and_resumed):
+    _, _, tracker, log = crashed_and_resumed
+    assert tracker == "4"
+    assert "resumed at step 4" in log
+
+
+def test_steps_versions_and_data_continue_across_the_crashes(crashed_and_resumed):
+    out, _, _, _ = crashed_and_resumed
+    metrics = _rows(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 9))  # lines of lost steps were dropped
+    assert [m["weight_version"] for m in metrics] == [m["step"] + 1 for m in metrics]  # version 1: after SFT
+    assert [m["consumed_samples"] for m in metrics] == [16 * m["step"] for m in metrics]
+    evaluation = json.loads((out / "eval.json").read_text())
+    assert evaluation["prompts_dispatched_more_than_once"] == 0
+
+
+def test_every_prompt_is_consumed_once_and_buffered_rollouts_are_accounted_for(crashed_and_resumed):
+    out, state_at_4, _, _ = crashed_and_resumed
+    rows = _rows(out / "rollouts.jsonl")
+    resent = [r for r in rows if r["outcome"].startswith("in flight at the checkpoint")]
+    final = [r for r in rows if r not in resent]
+    keys = [(r["prompt_id"], r["sample_index"]) for r in final]
+    assert len(keys) == len(set(keys))  # each sample trained on or discarded (with its reason) once
+    assert sum(r["outcome"] == "trained" for r in final) == 16 * 8
+    prompts = {pid for pid, _ in keys}
+    assert all(sum(1 for p, _ in keys if p == pid) == 4 for pid in prompts)  # whole groups, across the crash
+    # the checkpoint's buffered rollouts were used or discarded after the resume, with their reasons
+    buffered = {(pid, r["sample_index"]) for pid, group in state_at_4["buffer"]["groups"].items() for r in group}
+    assert buffered <= set(keys)
+    # its in-flight samples that the buffer did not hold were generated again, then used or discarded
+    inflight = {(pid, k) for pid in state_at_4["inflight"] for k in range(4)} - buffered
+    assert inflight and inflight == {(r["prompt_id"], r["sample_index"]) for r in resent if r["step"] == 4}
+    assert inflight <= set(keys)
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+def _train_cli(*args, timeout=180):
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "megatron_rl.train", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"prompt": "1+1"', ":2: invalid JSON"),
+    ('{"prompt": "1+1"}', ":2: field 'answer' is missing"),
+    ('["1+1", "2"]', ":2: a record must be a JSON object, got list"),
+    ('{"prompt": 5, "answer": "2"}', ":2: field 'prompt' must be a string, got int"),
+    ('{"prompt": "  ", "answer": "2"}', ":2: field 'prompt' is empty"),
+    ("\x00\x01garbage", ":2: invalid JSON"),
+])
+def test_malformed_dataset_lines_are_named(tmp_path, line, message):
+    from megatron_rl.data.jsonl import JsonlDataset
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "2+2", "answer": "4"}\n' + line + "\n")
+    with pytest.raises(ValueError) as error:
+        JsonlDataset(str(path))
+    assert str(error.value).startswith(f"{path}{message}")
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{not json", ": invalid JSON"),
+    ('{"tensor_model_paralel_size": 2}', ": unknown field(s) ['tensor_model_paralel_size']"),
+    ('{"lr": "fast"}', ": field 'lr' must be float, got str"),
+    ('{"loss": "grpo"}', ": field 'loss' must be one of ['aipo', 'aipo-clamp', 'ppo'], got 'grpo'"),
+    ('{"train_iters": 2.5}', ": field 'train_iters' must be int, got float"),
+    ("[1, 2]", ": must be a JSON object of flag values, got list"),
+])
+def test_malformed_configs_are_named(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    r = _train_cli("--config", str(path), "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and message in r.stderr, r.stderr
+
+
+@pytest.fixture
+def checkpoint_copy(crashed_and_resumed, tmp_path):
+    import shutil
+
+    out, _, _, _ = crashed_and_resumed
+    copy = tmp_path / "ckpt"
+    shutil.copytree(out.parent / "ckpt", copy)
+    (copy / "latest_checkpointed_iteration.txt").write_text("2")
+    return copy
+
+
+def test_an_intact_checkpoint_passes_the_start_checks(checkpoint_copy):
+    r = _train_cli("--model", "tiny-arith", "--seq-length", "32", "--load", str(checkpoint_copy), "--dry-run")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: (d / "latest_checkpointed_iteration.txt").unlink(), "no latest_checkpointed_iteration.txt"),
+    (lambda d: (d / "latest_checkpointed_iteration.txt").write_text("soon"), "holds 'soon', not a step number"),
+    (lambda d: (d / "latest_checkpointed_iteration.txt").write_text("9"), "iter_0000009"),
+    (lambda d: (d / "iter_0000002" / "rl_state.json").write_text("{trunc"), "cannot read .*rl_state.json"),
+    (lambda d: (d / "iter_0000002" / "metadata.json").unlink(), "iter_0000002 is not a complete trainer checkpoint"),
+    (lambda d: _edit_state(d, model={"hidden_size": 256}), "saved model has hidden_size 256, this run's is 128"),
+])
+def test_damaged_checkpoints_are_named(checkpoint_copy, damage, message):
+    damage(checkpoint_copy)
+    r = _train_cli("--model", "tiny-arith", "--seq-length", "32", "--load", str(checkpoint_copy), "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    import re
+
+    assert re.search(message, r.stderr), r.stderr
+
+
+def _edit_state(directory, **changes):
+    path = directory / "iter_0000002" / "rl_state.json"
+    state = json.loads(path.read_text())
+    for key, value in changes.items():
+        state[key].update(value)
+    path.write_text(json.dumps(state))
