@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "started with --skip-tokenizer-init and the run's model) instead of launching them")
     g.add_argument("--rollout-server-timeout", type=float, default=600.0,
                    help="seconds an SGLang server may take to start and answer /health")
+    g.add_argument("--generator-timeout", type=float, default=900.0,
+                   help="stop the run when no generator sends a rollout for this many seconds while prompts are "
+                        "in flight (a hung or dead generator rank), instead of waiting for the process-group timeout")
     g.add_argument("--rollout-server-stall-timeout", type=float, default=300.0,
                    help="an SGLang server that finishes no request for this long and then fails /health is "
                         "restarted")

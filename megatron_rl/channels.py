@@ -55,14 +55,25 @@ class Channel:
         self.group.recv([payload], sender, self.tag).wait()
         return pickle.loads(payload.numpy().tobytes()), sender
 
-    def recv(self, src: int | None = None) -> tuple[Any, int]:
-        """Block for the next message (from `src`, or from anyone); returns (object, sender)."""
-        if src in self._queues:
-            return self._queues[src].get()
-        return self._receive(src)
+    def recv(self, src: int | None = None, timeout: float | None = None) -> tuple[Any, int]:
+        """Block for the next message (from `src`, or from anyone); returns (object, sender). With `timeout`,
+        raises TimeoutError when nothing arrives in that many seconds."""
+        if timeout is None and src not in self._queues:
+            return self._receive(src)
+        try:
+            return self._listener(src).get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no message on channel {self.tag} within {timeout} s") from None
 
     def poll(self, src: int | None = None) -> tuple[Any, int] | None:
         """The next message if one has arrived, else None."""
+        try:
+            return self._listener(src).get_nowait()
+        except queue.Empty:
+            return None
+
+    def _listener(self, src: int | None) -> queue.Queue:
+        """The queue a listener thread receives messages from `src` into (started on first use)."""
         if src not in self._queues:
             q: queue.Queue = queue.Queue()
             self._queues[src] = q
@@ -75,7 +86,4 @@ class Channel:
                         return
 
             threading.Thread(target=listen, daemon=True, name=f"channel-{self.tag}-listener").start()
-        try:
-            return self._queues[src].get_nowait()
-        except queue.Empty:
-            return None
+        return self._queues[src]

@@ -463,7 +463,13 @@ class Controller:
     def receive(self, times: StepTimes | None = None) -> None:
         """Take one message from any generator; score and buffer its rollouts."""
         start = time.perf_counter()
-        (kind, payload), src = self.rollouts.recv()
+        try:
+            (kind, payload), src = self.rollouts.recv(timeout=self.args.generator_timeout)
+        except TimeoutError:
+            raise RuntimeError(f"no rollouts from any generator for {self.args.generator_timeout:.0f} s "
+                               f"(--generator-timeout) with {self.outstanding} prompts in flight: a generator hangs "
+                               f"or died (generator ranks {self.leaders[0]}..{self.roles.world_size - 1}; see "
+                               "their output)") from None
         waited = time.perf_counter() - start
         if kind == "stopped":
             self.gen_stats[src] = payload

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
 def main(argv=None) -> int:
     from megatron_rl.arguments import parse_args
+    from megatron_rl.launch import die_with_parent
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()  # a killed torchrun takes its workers with it (they run in sessions of their own)
     args = parse_args(argv)
     try:
         if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong

@@ -7,5 +7,5 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${SGLANG_VENV:-$repo/.venv-sglang}"
 SGLANG_VENV="$venv" bash "$repo/tools/sglang_cpu/setup_env.sh"
 cd "$repo"
-export HF_HUB_OFFLINE=1 WANDB_MODE=offline
+export HF_HUB_OFFLINE=1 WANDB_MODE=offline PATH="$venv/bin:$PATH"
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider tests_sglang "$@"

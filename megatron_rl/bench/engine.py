@@ -1,10 +1,12 @@
-"""Built-in engine throughput vs `transformers.generate`: same model, same prompts, greedy, fp32, CPU.
-
-Generated tokens per second for each, and their ratio, at several batch sizes.
+"""Built-in engine throughput vs `transformers.generate` (and vs a real SGLang server when sglang is
+installed, e.g. in the environment of tools/sglang_cpu/setup_env.sh): same model, same prompts, greedy,
+fp32, CPU. Generated tokens per second for each, and their ratios, at several batch sizes.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import tempfile
 import time
 
@@ -45,5 +47,34 @@ def run(quick: bool = False) -> dict:
             tokens = b * new_tokens
             out[f"batch_{b}"] = {"engine_tokens_per_s": tokens / t_engine, "transformers_tokens_per_s": tokens / t_hf,
                                  "speedup_vs_transformers": t_hf / t_engine, "identical_sequences": f"{same}/{b}"}
+        if importlib.util.find_spec("sglang") is not None:
+            _vs_sglang(d, spec, out, batches, prompt_len, new_tokens)
     out["speedup_vs_transformers"] = out[f"batch_{batches[-1]}"]["speedup_vs_transformers"]
     return out
+
+
+def _vs_sglang(model_dir, spec, out, batches, prompt_len, new_tokens) -> None:
+    """The same prompts through a real SGLang server on the same checkpoint (HTTP included, as the adapter
+    uses it); server start-up is not timed."""
+    from megatron_rl.launch import free_port
+    from megatron_rl.rollout import SamplingParams
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.rollout.sglang_server import SGLangServer
+
+    server = SGLangServer.launch(model_dir, 1, free_port(), os.path.join(model_dir, "sglang.log"), load_format="auto")
+    try:
+        engine = SGLangEngine(spec, server)
+        params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+        g = torch.Generator().manual_seed(0)  # the prompts of the loop above
+        for b in batches:
+            prompts = torch.randint(0, spec.vocab_size, (b, prompt_len), generator=g)
+            engine.generate(prompts[:1].tolist(), params)  # warm-up
+            start = time.perf_counter()
+            engine.generate(prompts.tolist(), params)
+            t_sglang = time.perf_counter() - start
+            row = out[f"batch_{b}"]
+            row["sglang_tokens_per_s"] = b * new_tokens / t_sglang
+            row["speedup_vs_sglang"] = row["engine_tokens_per_s"] / row["sglang_tokens_per_s"]
+        out["speedup_vs_sglang"] = out[f"batch_{batches[-1]}"]["speedup_vs_sglang"]
+    finally:
+        engine.shutdown()

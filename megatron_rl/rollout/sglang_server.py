@@ -8,7 +8,6 @@ from `--sglang-<flag>` on the megatron-rl command line, passed through unchanged
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ import time
 import requests
 import torch
 
+from megatron_rl.launch import die_with_parent
 from megatron_rl.models.spec import ModelSpec
 
 
@@ -33,13 +33,6 @@ CPU_FLAGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda
 
 LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"}
-
-
-def _die_with_parent() -> None:
-    """The server gets SIGKILL when the process that launched it dies, however it dies (SGLang's own
-    subprocesses follow their parent the same way), so a killed run leaves no server behind."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _flag_list(flags: dict) -> list[str]:
@@ -121,7 +114,7 @@ class SGLangServer:
             log.write(f"\n===== megatron-rl: starting {' '.join(self.command)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+                                            start_new_session=True, preexec_fn=die_with_parent)
         try:
             self.wait_ready(self.timeout_s)
         except BaseException:
