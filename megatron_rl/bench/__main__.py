@@ -1,4 +1,5 @@
-"""python -m megatron_rl.bench {async,ddma,engine,trainer,reward,all} [--quick]: prints one JSON object per benchmark, last line = all."""
+"""python -m megatron_rl.bench {async,ddma,engine,trainer,reward,fp8,all} [--quick]: one JSON object per benchmark,
+and as the last line one object with all of them (`all` runs every benchmark but fp8, which needs a GPU)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import os
 import time
 
 BENCHMARKS = ("async", "ddma", "engine", "trainer", "reward")
+GPU_ONLY = ("fp8",)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_rl.bench", description=__doc__)
-    parser.add_argument("which", choices=BENCHMARKS + ("all",))
+    parser.add_argument("which", choices=BENCHMARKS + GPU_ONLY + ("all",))
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a run of a few minutes")
     parser.add_argument("--results-file", default=os.environ.get("BENCH_RESULTS", "bench_results.jsonl"),
                         help="each result is also appended here as one JSON line")

@@ -1,13 +1,13 @@
 """Asynchronous vs synchronous RL step time on the same model and batch, with the theoretical bound.
 
-Two short runs of `megatron_rl.train` (trainer TP=2 on 2 processes, one generator, the tiny model, no
-warm-up), identical except --async-mode. From the synchronous run: t_gen = generator busy time per step,
+Two short runs of `megatron_rl.train` (one trainer process, one generator process, the tiny model, no
+warm-up), identical except --async-mode. Two processes, so that on the 2-core machine each role has a core
+of its own, as on a cluster each has its own GPUs: the bound below assumes generation and training can run
+at the same time. From the synchronous run: t_gen = generator busy time per step,
 t_train = trainer time per step (train + sync + reward); the bound on the speed-up of overlapping them is
 (t_gen + t_train) / max(t_gen, t_train). Both runs keep uniform-reward groups so that every step trains
 on exactly one batch (no dynamic re-sampling), which keeps the work per step equal.
 
-On a 2-core machine the three processes share two cores, so generation and training cannot fully run in
-parallel; the bound assumes they can. Reported as measured.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import tempfile
 def _run(out_dir: str, mode: str, iters: int) -> list[dict]:
     from megatron_rl.launch import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
-           "-m", "megatron_rl.train", "--tensor-model-parallel-size", "2", "--train-iters", str(iters),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "megatron_rl.train", "--tensor-model-parallel-size", "1", "--train-iters", str(iters),
            "--global-batch-size", "64", "--micro-batch-size", "32", "--n-samples-per-prompt", "4",
            "--rollout-max-response-len", "16", "--task-max-digits", "2", "--eval-size", "4", "--keep-uniform-groups",
            "--async-mode", mode, "--max-staleness", "1", "--output-dir", out_dir]

@@ -1,0 +1,58 @@
+"""FP8 vs bf16 GEMM throughput on a GPU, at the linear-layer shapes of Llama-3.1 70B at generator TP=4.
+
+Three ways to run `x @ W.T` for the generator's weights: bf16 (the baseline), FP8 with per-tensor scales
+through `torch._scaled_mm` (Hopper's FP8 tensor cores), and the built-in engine's block-FP8 path, which
+dequantizes the 128 x 128-block weights to bf16 before a bf16 GEMM (memory saving only). Reported:
+TFLOP/s of each and the ratios to bf16, for a decode-sized batch and a prefill-sized one. Needs CUDA
+(an FP8-capable GPU for `_scaled_mm`); on a CPU it reports that it did not run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# (name, out_features, in_features): Llama-3.1 70B at TP=4: hidden 8192, 64 q heads / 8 kv heads of 128,
+# ffn 28672.
+SHAPES = [("qkv_proj", (8192 + 2 * 1024) // 4, 8192), ("o_proj", 8192, 8192 // 4),
+          ("gate_up_proj", 2 * 28672 // 4, 8192), ("down_proj", 8192, 28672 // 4)]
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def run(quick: bool = False) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "needs CUDA"}
+    from megatron_rl.rollout.fp8 import FP8_MAX, dequantize_block_fp8, quantize_block_fp8
+
+    repeats = 20 if quick else 100
+    out = {"device": torch.cuda.get_device_name(), "shapes": "Llama-3.1 70B linear layers at TP=4"}
+    for tokens in (64, 4096):
+        flops = bf16_s = fp8_s = block_s = 0.0
+        for _, n, k in SHAPES:
+            x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            flops += 2 * tokens * n * k
+            bf16_s += _time(lambda: x @ w.t(), repeats)
+            sx, sw = x.abs().amax().float() / FP8_MAX, w.abs().amax().float() / FP8_MAX
+            x8, w8 = (x / sx).to(torch.float8_e4m3fn), (w / sw).to(torch.float8_e4m3fn)
+            fp8_s += _time(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16),
+                           repeats)
+            q, scale_inv = quantize_block_fp8(w.cpu())
+            q, scale_inv = q.cuda(), scale_inv.cuda()
+            block_s += _time(lambda: x @ dequantize_block_fp8(q, scale_inv, dtype=torch.bfloat16).t(), repeats)
+        out[f"tokens_{tokens}"] = {"bf16_tflops": flops / bf16_s / 1e12, "fp8_scaled_mm_tflops": flops / fp8_s / 1e12,
+                                   "block_fp8_dequant_tflops": flops / block_s / 1e12,
+                                   "fp8_speedup_vs_bf16": bf16_s / fp8_s,
+                                   "block_fp8_dequant_vs_bf16": bf16_s / block_s}
+    out["fp8_speedup_vs_bf16"] = out["tokens_4096"]["fp8_speedup_vs_bf16"]
+    return out
