@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
+import threading
 import time
 import zlib
 from collections import Counter, defaultdict
@@ -421,6 +423,9 @@ class Controller:
                                                                   if isinstance(v, (int, float, str, bool))},
                                     append=bool(args.load))
         self._next_leader = 0
+        self._scored: queue.Queue = queue.Queue()  # (kind, generator rank, payload, reward seconds)
+        self._stopped = 0
+        threading.Thread(target=self._reward_stage, daemon=True, name="reward-stage").start()
 
     # -- generators --------------------------------------------------------------------------------------------
     def encode_prompt(self, text: str) -> list[int]:
@@ -460,30 +465,49 @@ class Controller:
                           self.rl_params())
             self.outstanding = target
 
+    def _reward_stage(self) -> None:
+        """A thread between the generators and the buffer: receives each generator message as it arrives and
+        scores its rollouts (in the reward worker processes), so scoring overlaps generation and training
+        instead of running on the trainer's critical path. Ends after every generator said it stopped."""
+        stopped = 0
+        try:
+            while stopped < len(self.leaders):
+                (kind, payload), src = self.rollouts.recv()
+                if kind == "stopped":
+                    stopped += 1
+                    self._scored.put(("stopped", src, payload, 0.0))
+                    continue
+                outputs, stats = payload
+                start = time.perf_counter()
+                texts = [self.tokenizer.decode([t for t in o.token_ids if t != self.tokenizer.eos_token_id])
+                         for o, _ in outputs]
+                results = self.reward_fn(texts, [m["reference"] for _, m in outputs])
+                self._scored.put(("rollouts", src, (outputs, results, stats), time.perf_counter() - start))
+        except BaseException as e:  # noqa: BLE001 - raised again in the controller's thread
+            self._scored.put(("error", None, e, 0.0))
+
     def receive(self, times: StepTimes | None = None) -> None:
-        """Take one message from any generator; score and buffer its rollouts."""
+        """Take one scored message from the reward stage and buffer its rollouts."""
         start = time.perf_counter()
         try:
-            (kind, payload), src = self.rollouts.recv(timeout=self.args.generator_timeout)
-        except TimeoutError:
+            kind, src, payload, reward_s = self._scored.get(timeout=self.args.generator_timeout)
+        except queue.Empty:
             raise RuntimeError(f"no rollouts from any generator for {self.args.generator_timeout:.0f} s "
                                f"(--generator-timeout) with {self.outstanding} prompts in flight: a generator hangs "
                                f"or died (generator ranks {self.leaders[0]}..{self.roles.world_size - 1}; see "
                                "their output)") from None
-        waited = time.perf_counter() - start
+        if kind == "error":
+            raise payload
         if kind == "stopped":
             self.gen_stats[src] = payload
+            self._stopped += 1
             return
-        outputs, stats = payload
+        outputs, results, stats = payload
         self.gen_stats[src] = stats
-        start = time.perf_counter()
-        texts = [self.tokenizer.decode([t for t in o.token_ids if t != self.tokenizer.eos_token_id])
-                 for o, _ in outputs]
-        results = self.reward_fn(texts, [m["reference"] for _, m in outputs])
         self.check_reward_failures(results)
         if times is not None:
-            times.wait_s += waited
-            times.reward_s += time.perf_counter() - start
+            times.wait_s += time.perf_counter() - start
+            times.reward_s += reward_s
         for (out, meta), result in zip(outputs, results):
             if meta["eval"]:
                 self.eval_rewards[meta["prompt_id"]] = result.reward if not result.is_failure else float("nan")
@@ -739,10 +763,9 @@ class Controller:
     def shutdown(self) -> None:
         for leader in self.leaders:
             self.control.send(("stop", None), leader)
-        stopped = 0
-        while stopped < len(self.leaders):  # drain what generators still send, until each says it stopped
-            (kind, payload), src = self.rollouts.recv()
-            stopped += kind == "stopped"
+        while self._stopped < len(self.leaders):  # drain what generators still send, until each says it stopped
+            kind, _, payload, _ = self._scored.get()
+            self._stopped += kind == "stopped"
         self.control.flush()
         self.logger.close()
         if self._rollout_log is not None:

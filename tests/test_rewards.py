@@ -141,3 +141,17 @@ def test_reward_fn_registry_and_user_functions():
         load_reward_fn("no_such_module:fn")
     with pytest.raises(ValueError, match="has no callable 'missing'"):
         load_reward_fn("megatron_rl.rewards:missing")
+
+
+INTEGER_PAIRS = [("The answer is 42.", "42"), ("\\boxed{007}", "7"), ("\\boxed{-0}", "0"), ("so 12", "012"),
+                 ("\\boxed{5}", "-5"), ("7 + 5 = 12", "12"), ("3", "4"), ("", "1"), ("no digits here", "3")]
+
+
+def test_integer_fast_path_gives_math_verify_verdicts_without_a_worker():
+    from megatron_rl.rewards.math import integer_verdict, verdict
+
+    for response, reference in INTEGER_PAIRS:
+        fast = integer_verdict(response, reference)
+        assert fast == verdict(response, reference, TIMEOUT), (response, reference)
+    assert integer_verdict("\\boxed{\\frac{1}{2}}", "0.5") is None  # needs the symbolic check
+    assert integer_verdict("\\boxed{" + "9" * 200 + "}", "1") is None  # no fast path for huge numbers

@@ -81,6 +81,21 @@ def extract_answer(text: str | None) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
+_INTEGER = re.compile(r"-?\d{1,100}")
+
+
+def integer_verdict(response: str, reference: str) -> RewardResult | None:
+    """The verdict without a worker when it is plain integer equality (a response with no final answer, or an
+    integer answer to an integer reference: exactly what math-verify would decide, at no IPC or parsing
+    cost); None when the pair needs the full symbolic check."""
+    extracted = extract_answer(response)
+    if extracted is None:
+        return RewardResult(0.0, "wrong-format", None, "no final answer found")
+    if _INTEGER.fullmatch(extracted) and _INTEGER.fullmatch(reference.strip()):
+        return RewardResult(1.0 if int(extracted) == int(reference) else 0.0, "scored", extracted)
+    return None
+
+
 # ---- the verdict (runs inside a worker process) ---------------------------------------------------------------------
 
 class _Timeout(Exception):
@@ -145,16 +160,17 @@ class MathScorer:
         if len(responses) != len(references):
             raise ValueError(f"responses has {len(responses)} items, references has {len(references)}")
         timeout = self.timeout_s if timeout_s is None else _whole_seconds(timeout_s)
+        results: list[RewardResult | None] = [integer_verdict(r, g) for r, g in zip(responses, references)]
+        todo = [i for i, r in enumerate(results) if r is None]
         # The parent deadline sits 0.5 s after the in-worker alarm: every verdict returns within timeout + 1 s.
-        outcomes = self.pool.map(verdict, [(r, g, timeout) for r, g in zip(responses, references)], timeout + 0.5)
-        results = []
-        for o in outcomes:
+        outcomes = self.pool.map(verdict, [(responses[i], references[i], timeout) for i in todo], timeout + 0.5)
+        for i, o in zip(todo, outcomes):
             if o.status == "ok":
-                results.append(o.value)
+                results[i] = o.value
             elif o.status == "timeout":
-                results.append(RewardResult(0.0, "timeout", None, o.error))
+                results[i] = RewardResult(0.0, "timeout", None, o.error)
             else:
-                results.append(RewardResult(0.0, "scorer-failure", None, f"{o.status}: {o.error.strip()[-500:]}"))
+                results[i] = RewardResult(0.0, "scorer-failure", None, f"{o.status}: {o.error.strip()[-500:]}")
         return results
 
     def close(self) -> None:
