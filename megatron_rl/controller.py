@@ -388,6 +388,7 @@ class Controller:
     def __init__(self, args, roles: Roles, tokenizer, trainer: TrainerExecutor):
         from megatron_rl.logging import MetricsLogger
         from megatron_rl.rewards import MathScorer, load_reward_fn
+        from megatron_rl.rewards.failures import RewardFailures
 
         self.args, self.roles, self.tokenizer, self.trainer = args, roles, tokenizer, trainer
         self.source = PromptSource(args)
@@ -408,7 +409,7 @@ class Controller:
         self.version = -1
         self.consumed = 0
         self.skipped_steps = self.consecutive_skips = 0  # optimizer steps skipped for NaN/Inf gradients
-        self.reward_failures, self.reward_failure_streak, self.last_reward_failure = Counter(), 0, None
+        self.reward_failures = RewardFailures(args.max_consecutive_reward_failures)
         self.dispatched = Counter()  # prompt id -> times dispatched (each prompt exactly once)
         self._gen_totals = dict.fromkeys(("busy_s", "idle_s", "sync_s", "tokens"), 0.0)  # at the previous step
         # On a resume the logs continue from the checkpoint's step: lines of later (lost) steps are dropped.
@@ -504,7 +505,7 @@ class Controller:
             return
         outputs, results, stats = payload
         self.gen_stats[src] = stats
-        self.check_reward_failures(results)
+        self.reward_failures.check(results)
         if times is not None:
             times.wait_s += time.perf_counter() - start
             times.reward_s += reward_s
@@ -519,23 +520,6 @@ class Controller:
                 temperature=self.args.rollout_temperature, reference=meta["reference"], reward=result.reward,
                 reward_status=result.status, num_retractions=out.num_retractions,
                 created_at=meta["dispatched_at"], finished_at=time.time()))
-
-    def check_reward_failures(self, results) -> None:
-        """Count infrastructure failures of the reward (timeouts, crashed workers: excluded from training,
-        never scored 0); a scorer that fails on every item for --max-consecutive-reward-failures verdicts in a
-        row is broken, and the run stops with its error rather than train on nothing."""
-        for result in results:
-            if result.is_failure:
-                self.reward_failures[result.status] += 1
-                self.reward_failure_streak += 1
-                self.last_reward_failure = result
-            else:
-                self.reward_failure_streak = 0
-        if self.reward_failure_streak >= self.args.max_consecutive_reward_failures:
-            r = self.last_reward_failure
-            raise RuntimeError(f"the reward function failed on the last {self.reward_failure_streak} samples in a "
-                               f"row (--max-consecutive-reward-failures {self.args.max_consecutive_reward_failures}); "
-                               f"last failure: {r.status}: {r.detail}")
 
     def log_outcomes(self, step: int, outcomes) -> None:
         if self._rollout_log is None:
@@ -574,7 +558,7 @@ class Controller:
         checkpointing.write_json_durably(os.path.join(partial, checkpointing.RL_STATE_FILE), {
             "step": step, "model": checkpointing.model_fields(self.trainer.spec), "buffer": self.buffer.state_dict(),
             "inflight": self.inflight, "outstanding": self.outstanding, "dispatched": dict(self.dispatched),
-            "skipped_steps": self.skipped_steps, "reward_failures": dict(self.reward_failures)})
+            "skipped_steps": self.skipped_steps, "reward_failures": dict(self.reward_failures.counts)})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         checkpointing.publish_tracker(self.args.save, step)
@@ -588,7 +572,8 @@ class Controller:
         self.buffer.load_state_dict(state["buffer"])
         self.inflight, self.outstanding = state["inflight"], state["outstanding"]
         self.dispatched = Counter(state["dispatched"])
-        self.skipped_steps, self.reward_failures = state["skipped_steps"], Counter(state["reward_failures"])
+        self.skipped_steps = state["skipped_steps"]
+        self.reward_failures.counts = Counter(state["reward_failures"])
         return extra["step"]
 
     def resend_lost_samples(self, step: int) -> None:
@@ -718,7 +703,7 @@ class Controller:
             "skipped_steps": self.skipped_steps,
             "generator_restarts": sum(s.get("engine_restarts", 0) for s in self.gen_stats.values()),
             "rerun_requests": sum(s.get("rerun_requests", 0) for s in self.gen_stats.values()),
-            "reward_failures": dict(self.reward_failures),  # cumulative, by status
+            "reward_failures": dict(self.reward_failures.counts),  # cumulative, by status
             "train": {k: v for k, v in train_metrics.items() if isinstance(v, (int, float))},
         }
 

@@ -155,3 +155,15 @@ def test_integer_fast_path_gives_math_verify_verdicts_without_a_worker():
         assert fast == verdict(response, reference, TIMEOUT), (response, reference)
     assert integer_verdict("\\boxed{\\frac{1}{2}}", "0.5") is None  # needs the symbolic check
     assert integer_verdict("\\boxed{" + "9" * 200 + "}", "1") is None  # no fast path for huge numbers
+
+
+def test_isolated_failures_are_counted_and_a_scorer_failing_on_every_item_stops_the_run():
+    from megatron_rl.rewards.failures import RewardFailures
+
+    ok, timeout = RewardResult(1.0, "scored", "4"), RewardResult(0.0, "timeout", None, "no verdict within 5 s")
+    crash = RewardResult(0.0, "scorer-failure", None, "crashed: killed by SIGKILL")
+    failures = RewardFailures(limit=4)
+    failures.check([timeout, ok, crash, crash, ok, timeout])  # never 4 in a row
+    assert failures.counts == {"timeout": 2, "scorer-failure": 2} and failures.streak == 1
+    with pytest.raises(RuntimeError, match="failed on the last 4 samples in a row.*scorer-failure: crashed"):
+        failures.check([timeout, timeout, crash])
