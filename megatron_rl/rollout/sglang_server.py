@@ -31,6 +31,7 @@ CPU_FLAGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda
              "grammar_backend": "none"}
 
 
+POOL_SIZE = 256  # HTTP connections kept open to one server (SGLangEngine's request threads)
 LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"}
 
@@ -73,7 +74,8 @@ class SGLangServer:
         self.log_path = log_path
         self.command, self.env, self.timeout_s = command, env, timeout_s
         self.process: subprocess.Popen | None = None
-        self.http = requests.Session()
+        self.http = requests.Session()  # shared by the request threads: one pooled connection each
+        self.http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=POOL_SIZE))
 
     # ---- start -------------------------------------------------------------------------------------------------
     @classmethod
