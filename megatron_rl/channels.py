@@ -55,15 +55,11 @@ class Channel:
         self.group.recv([payload], sender, self.tag).wait()
         return pickle.loads(payload.numpy().tobytes()), sender
 
-    def recv(self, src: int | None = None, timeout: float | None = None) -> tuple[Any, int]:
-        """Block for the next message (from `src`, or from anyone); returns (object, sender). With `timeout`,
-        raises TimeoutError when nothing arrives in that many seconds."""
-        if timeout is None and src not in self._queues:
-            return self._receive(src)
-        try:
-            return self._listener(src).get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no message on channel {self.tag} within {timeout} s") from None
+    def recv(self, src: int | None = None) -> tuple[Any, int]:
+        """Block for the next message (from `src`, or from anyone); returns (object, sender)."""
+        if src in self._queues:  # a listener thread receives from `src`: take its next message
+            return self._queues[src].get()
+        return self._receive(src)
 
     def poll(self, src: int | None = None) -> tuple[Any, int] | None:
         """The next message if one has arrived, else None."""

@@ -230,7 +230,7 @@ class GeneratorExecutor:
 @dataclasses.dataclass
 class StepTimes:
     wait_s: float = 0.0  # trainer idle: waiting for rollouts
-    reward_s: float = 0.0
+    reward_s: float = 0.0  # scoring this step's rollouts in the reward stage (overlapped, not the trainer's time)
     train_s: float = 0.0
     sync_s: float = 0.0
 
