@@ -1,5 +1,5 @@
 """The RL checkpoint directory (Megatron's layout): `iter_NNNNNNN/` per saved step, holding the trainer's
-dist checkpoint, per-rank RNG states and the controller's `rl_state.json`, and the tracker
+dist checkpoint, per-rank RNG states (`rng/rankNNNNN.pt`) and the controller's `rl_state.json`, and the tracker
 `latest_checkpointed_iteration.txt`, which moves last, so a crash at any point of a save leaves the previous
 checkpoint the latest. Also: the start-up check of a `--load` directory, and cutting the run's JSONL logs
 back to the resumed step."""
@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
+
+import numpy as np
+import torch
 
 from megatron_rl.models.spec import ModelSpec
 
 TRACKER_FILE, RL_STATE_FILE = "latest_checkpointed_iteration.txt", "rl_state.json"
-MODEL_FIELDS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                "ffn_hidden_size", "vocab_size", "tie_word_embeddings", "qkv_bias")
 
 
 def iteration_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"iter_{step:07d}")
-
-
-def model_fields(spec: ModelSpec) -> dict:
-    return {field: getattr(spec, field) for field in MODEL_FIELDS}
 
 
 def latest_checkpoint_step(directory: str) -> int:
@@ -60,27 +58,41 @@ def check_checkpoint(directory: str, spec: ModelSpec) -> int:
         raise ValueError(f"--load {directory!r}: {os.path.basename(path)} is not a complete trainer checkpoint "
                          "(no metadata.json)")
     saved = read_rl_state(directory, step)["model"]
-    for field, value in model_fields(spec).items():
+    for field, value in spec.weight_fields().items():
         if saved.get(field) != value:
             raise ValueError(f"--load {directory!r}: the saved model has {field} {saved.get(field)}, this run's is "
                              f"{value} (model {spec.name!r})")
     return step
 
 
-def write_json_durably(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f)
+def write_durably(path: str, text: str) -> None:
+    """Write `text` to `path` atomically: a crash leaves the old file or the new one, never a torn one."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 def publish_tracker(directory: str, step: int) -> None:
-    tracker = os.path.join(directory, TRACKER_FILE)
-    with open(tracker + ".tmp", "w") as f:
-        f.write(str(step))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker + ".tmp", tracker)
+    write_durably(os.path.join(directory, TRACKER_FILE), str(step))
+
+
+def save_rng(directory: str, rank: int) -> None:
+    os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+               os.path.join(directory, "rng", f"rank{rank:05d}.pt"))
+
+
+def load_rng(directory: str, rank: int) -> None:
+    """Restore this rank's RNG states; a rank the checkpoint has none for (more ranks than were saved) keeps its
+    own seeded state."""
+    path = os.path.join(directory, "rng", f"rank{rank:05d}.pt")
+    if os.path.isfile(path):
+        state = torch.load(path, weights_only=False)
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
 
 
 def truncate_jsonl_after_step(path: str, step: int) -> None:

@@ -2,7 +2,8 @@
 
 - trainer ranks [0, T): Megatron-Core policy (TP x PP x DP); rank 0 is also the controller: it owns the
   prompts, the reward pool (worker processes), the rollout buffer and the metrics;
-- generator ranks [T, T + G): LocalEngine replicas with their own TP;
+- generator ranks [T, T + G): engine replicas with their own TP (the built-in LocalEngine, or an SGLang server
+  per replica driven by its ranks: --rollout-backend sglang);
 - channels (over a gloo group spanning all ranks): controller -> generators carries requests and weight
   versions; generators -> controller carries finished rollouts; DDMA moves the weights.
 
@@ -29,8 +30,8 @@ from collections import Counter, defaultdict
 import torch
 import torch.distributed as dist
 
-from megatron_rl.algorithms import lag_summary
 from megatron_rl import checkpointing
+from megatron_rl.algorithms import lag_summary
 from megatron_rl.buffer import Rollout, RolloutBuffer
 from megatron_rl.channels import Channel
 from megatron_rl.ddma.plan import GeneratorLayout, TrainerLayout, make_plan
@@ -45,24 +46,6 @@ TAG_CONTROL, TAG_ROLLOUTS = 11, 12
 
 def stable_seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
-
-
-def rng_state() -> dict:
-    import random
-
-    import numpy as np
-
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
 
 
 # ---- set-up shared by all roles ------------------------------------------------------------------------------------
@@ -185,8 +168,7 @@ class GeneratorExecutor:
         try:
             self._serve()
         finally:
-            if hasattr(self.engine, "shutdown"):
-                self.engine.shutdown()
+            self.engine.shutdown()
 
     def _serve(self) -> None:
         meta: dict[str, dict] = {}
@@ -214,8 +196,8 @@ class GeneratorExecutor:
                 start = time.perf_counter()
                 finished = self.engine.step()
                 self.stats["busy_s"] += time.perf_counter() - start
-                self.stats["engine_restarts"] = getattr(self.engine, "restarts", 0)
-                self.stats["rerun_requests"] = getattr(self.engine, "rerun_requests", 0)
+                self.stats["engine_restarts"] = self.engine.restarts
+                self.stats["rerun_requests"] = self.engine.rerun_requests
                 if finished and self.roles.is_leader:
                     self.stats["tokens"] += sum(len(o.token_ids) for o in finished)
                     self.rollouts.send(("rollouts", ([(o, meta.pop(o.request_id)) for o in finished],
@@ -323,17 +305,14 @@ class TrainerExecutor:
             from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
 
             directory, extra = payload
-            os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
-            torch.save(rng_state(), os.path.join(directory, "rng", f"rank{dist.get_rank():05d}.pt"))
+            checkpointing.save_rng(directory, dist.get_rank())
             dist.barrier()
             return save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler, extra)
         if name == "load":
             from megatron_rl.trainer.checkpoint import load_trainer_checkpoint
 
             extra = load_trainer_checkpoint(self.trainer.policy, payload, self.scheduler)
-            rng_file = os.path.join(payload, "rng", f"rank{dist.get_rank():05d}.pt")
-            if os.path.isfile(rng_file):  # absent when resuming with more trainer ranks than were saved
-                set_rng_state(torch.load(rng_file, weights_only=False))
+            checkpointing.load_rng(payload, dist.get_rank())
             return extra
         if name == "stop":
             return None
@@ -402,8 +381,7 @@ class Controller:
         self.rollouts = Channel(roles.sync_group, TAG_ROLLOUTS)
         self.leaders = [roles.leader(r) for r in range(args.rollout_num_replicas)]
         self.prompts_per_step = args.global_batch_size // args.n_samples_per_prompt
-        self.outstanding = 0  # RL prompts dispatched whose group has not left the buffer
-        self.inflight: dict[str, dict] = {}  # those prompts, by id (saved in checkpoints to resend after a crash)
+        self.inflight: dict[str, dict] = {}  # RL prompts dispatched whose group has not left the buffer, by id
         self.eval_rewards: dict[str, float] = {}
         self.gen_stats: dict[int, dict] = {}
         self.version = -1
@@ -461,10 +439,9 @@ class Controller:
 
     def top_up(self, target: int) -> None:
         """Keep `target` RL prompts in flight."""
-        if target > self.outstanding:
-            self.dispatch(self.source.next(target - self.outstanding), self.args.n_samples_per_prompt,
+        if target > len(self.inflight):
+            self.dispatch(self.source.next(target - len(self.inflight)), self.args.n_samples_per_prompt,
                           self.rl_params())
-            self.outstanding = target
 
     def _reward_stage(self) -> None:
         """A thread between the generators and the buffer: receives each generator message as it arrives and
@@ -494,7 +471,7 @@ class Controller:
             kind, src, payload, reward_s = self._scored.get(timeout=self.args.generator_timeout)
         except queue.Empty:
             raise RuntimeError(f"no rollouts from any generator for {self.args.generator_timeout:.0f} s "
-                               f"(--generator-timeout) with {self.outstanding} prompts in flight: a generator hangs "
+                               f"(--generator-timeout) with {len(self.inflight)} prompts in flight: a generator hangs "
                                f"or died (generator ranks {self.leaders[0]}..{self.roles.world_size - 1}; see "
                                "their output)") from None
         if kind == "error":
@@ -555,22 +532,23 @@ class Controller:
         extra = {"step": step, "weight_version": self.version, "consumed_samples": self.consumed,
                  "source": self.source.state_dict()}
         self.trainer.command("save", (partial, extra))
-        checkpointing.write_json_durably(os.path.join(partial, checkpointing.RL_STATE_FILE), {
-            "step": step, "model": checkpointing.model_fields(self.trainer.spec), "buffer": self.buffer.state_dict(),
-            "inflight": self.inflight, "outstanding": self.outstanding, "dispatched": dict(self.dispatched),
-            "skipped_steps": self.skipped_steps, "reward_failures": dict(self.reward_failures.counts)})
+        checkpointing.write_durably(os.path.join(partial, checkpointing.RL_STATE_FILE), json.dumps({
+            "step": step, "model": self.trainer.spec.weight_fields(), "buffer": self.buffer.state_dict(),
+            "inflight": self.inflight, "dispatched": dict(self.dispatched), "skipped_steps": self.skipped_steps,
+            "reward_failures": dict(self.reward_failures.counts)}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         checkpointing.publish_tracker(self.args.save, step)
 
     def load_checkpoint(self) -> int:
-        step = checkpointing.check_checkpoint(self.args.load, self.trainer.spec)
+        """Restore a checkpoint that `run` checked at start-up."""
+        step = checkpointing.latest_checkpoint_step(self.args.load)
         state = checkpointing.read_rl_state(self.args.load, step)
         extra = self.trainer.command("load", checkpointing.iteration_dir(self.args.load, step))
         self.version, self.consumed = extra["weight_version"], extra["consumed_samples"]
         self.source.load_state_dict(extra["source"])
         self.buffer.load_state_dict(state["buffer"])
-        self.inflight, self.outstanding = state["inflight"], state["outstanding"]
+        self.inflight = state["inflight"]
         self.dispatched = Counter(state["dispatched"])
         self.skipped_steps = state["skipped_steps"]
         self.reward_failures.counts = Counter(state["reward_failures"])
@@ -648,7 +626,6 @@ class Controller:
                 self.receive(times)
             batch = self.buffer.take(P - len(groups), self.version, drop_uniform=None if not exhausted else False)
             popped += batch.popped
-            self.outstanding -= batch.popped
             for r, _ in batch.outcomes:
                 self.inflight.pop(r.prompt_id, None)
             groups += batch.groups
@@ -741,7 +718,7 @@ class Controller:
                        "rl_seconds": time.time() - run_start,
                        "prompts_dispatched": len(self.dispatched),
                        "prompts_dispatched_more_than_once": sum(c > 1 for c in self.dispatched.values()),
-                       "prompts_in_flight_at_end": self.outstanding,
+                       "prompts_in_flight_at_end": len(self.inflight),
                        "discards": dict(self.buffer.discards)}, f, indent=2)
         self.shutdown()
 
@@ -759,17 +736,25 @@ class Controller:
             self.scorer.close()
 
 
-def run(args) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    generators = args.rollout_tensor_parallel_size * args.rollout_num_replicas
-    trainer_world = world - generators
+def trainer_world_size(args, world_size: int) -> int:
+    """The ranks left to the trainer after the generators' (which come last); an error names the flags."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    gtp, replicas = args.rollout_tensor_parallel_size, args.rollout_num_replicas
+    trainer_world = world_size - gtp * replicas
     if trainer_world < 1 or trainer_world % (tp * pp):
-        raise ValueError(f"world size {world} leaves {trainer_world} trainer ranks after {generators} generator "
-                         f"ranks (--rollout-tensor-parallel-size x --rollout-num-replicas); it must be a positive "
-                         f"multiple of --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}")
+        raise ValueError(f"world size {world_size} leaves {trainer_world} trainer ranks after {gtp * replicas} "
+                         f"generator ranks (--rollout-tensor-parallel-size {gtp} x --rollout-num-replicas "
+                         f"{replicas}); it must be a positive multiple of --tensor-model-parallel-size {tp} x "
+                         f"--pipeline-model-parallel-size {pp}")
+    return trainer_world
+
+
+def run(args) -> None:
+    trainer_world = trainer_world_size(args, int(os.environ.get("WORLD_SIZE", "1")))
     tokenizer = load_tokenizer(args)
     spec = model_spec(args, tokenizer)
+    if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
+        checkpointing.check_checkpoint(args.load, spec)
     roles = init_roles(trainer_world, args.rollout_tensor_parallel_size, args.rollout_num_replicas)
     if roles.is_controller:
         os.makedirs(args.output_dir, exist_ok=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from megatron_rl.ddma.plan import gather_broadcast_baseline, make_plan, summarize
+from megatron_rl.ddma.plan import gather_broadcast_baseline, summarize
 from megatron_rl.models import layout as L
 from megatron_rl.rollout.decoder import FP8_SUFFIXES
 
@@ -44,7 +44,8 @@ def dry_run(args, world_size: int) -> dict:
     import copy
     import os
 
-    from megatron_rl.controller import ddma_plan, model_spec
+    from megatron_rl.checkpointing import check_checkpoint
+    from megatron_rl.controller import ddma_plan, model_spec, trainer_world_size
     from megatron_rl.data.tokenizer import build_char_tokenizer
     from megatron_rl.roles import Roles
 
@@ -53,14 +54,11 @@ def dry_run(args, world_size: int) -> dict:
     if args.load_hf and not os.path.isfile(os.path.join(args.load_hf, "config.json")):
         args.load_hf = None
     spec = model_spec(args, build_char_tokenizer())
+    if args.load:
+        check_checkpoint(args.load, spec)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     gtp, replicas = args.rollout_tensor_parallel_size, args.rollout_num_replicas
-    trainer_world = world_size - gtp * replicas
-    if trainer_world < 1 or trainer_world % (tp * pp):
-        raise ValueError(f"world size {world_size} leaves {trainer_world} trainer ranks after {gtp * replicas} "
-                         f"generator ranks (--rollout-tensor-parallel-size {gtp} x --rollout-num-replicas "
-                         f"{replicas}); it must be a positive multiple of --tensor-model-parallel-size {tp} x "
-                         f"--pipeline-model-parallel-size {pp}")
+    trainer_world = trainer_world_size(args, world_size)
     dp = trainer_world // (tp * pp)
     layout = L.MegatronLayout(tp, pp, args.make_vocab_size_divisible_by, False,
                               args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)

@@ -14,11 +14,6 @@ def main(argv=None) -> int:
         die_with_parent()  # a killed torchrun takes its workers with it (they run in sessions of their own)
     args = parse_args(argv)
     try:
-        if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
-            from megatron_rl.checkpointing import check_checkpoint
-            from megatron_rl.controller import load_tokenizer, model_spec
-
-            check_checkpoint(args.load, model_spec(args, load_tokenizer(args)))
         if args.dry_run:
             from megatron_rl.dry_run import main as dry_run
 

@@ -3,8 +3,8 @@
 Two short runs of `megatron_rl.train` (one trainer process, one generator process, the tiny model, no
 warm-up), identical except --async-mode. Two processes, so that on the 2-core machine each role has a core
 of its own, as on a cluster each has its own GPUs: the bound below assumes generation and training can run
-at the same time. From the synchronous run, whose step is a generation phase (generate, score, wait) followed by a training
-phase (train + weight sync): t_train = the training phase, t_gen = the rest of the step. Overlapping the
+at the same time. From the synchronous run, whose step is a generation phase (generate, score, wait)
+followed by a training phase (train + weight sync): t_train = the training phase, t_gen = the rest. Overlapping the
 two phases cannot make a step shorter than the longer one, so the bound on the speed-up is
 (t_gen + t_train) / max(t_gen, t_train). Both runs keep uniform-reward groups so that every step trains on
 exactly one batch (no dynamic re-sampling), which keeps the work per step equal.
@@ -25,7 +25,8 @@ def _run(out_dir: str, mode: str, iters: int) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "megatron_rl.train", "--tensor-model-parallel-size", "1", "--train-iters", str(iters),
            "--global-batch-size", "64", "--micro-batch-size", "32", "--n-samples-per-prompt", "4",
-           "--rollout-max-response-len", "16", "--task-max-digits", "2", "--eval-size", "4", "--keep-uniform-groups", "--reward-num-workers", "1",
+           "--rollout-max-response-len", "16", "--task-max-digits", "2", "--eval-size", "4", "--keep-uniform-groups",
+           "--reward-num-workers", "1",
            "--async-mode", mode, "--max-staleness", "1", "--output-dir", out_dir]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if r.returncode != 0:

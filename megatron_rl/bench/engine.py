@@ -62,8 +62,8 @@ def _vs_sglang(model_dir, spec, out, batches, prompt_len, new_tokens) -> None:
     from megatron_rl.rollout.sglang_server import SGLangServer
 
     server = SGLangServer.launch(model_dir, 1, free_port(), os.path.join(model_dir, "sglang.log"), load_format="auto")
+    engine = SGLangEngine(spec, server)
     try:
-        engine = SGLangEngine(spec, server)
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
         g = torch.Generator().manual_seed(0)  # the prompts of the loop above
         for b in batches:

@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import torch
 
-# (name, out_features, in_features): Llama-3.1 70B at TP=4: hidden 8192, 64 q heads / 8 kv heads of 128,
-# ffn 28672.
-SHAPES = [("qkv_proj", (8192 + 2 * 1024) // 4, 8192), ("o_proj", 8192, 8192 // 4),
-          ("gate_up_proj", 2 * 28672 // 4, 8192), ("down_proj", 8192, 28672 // 4)]
+MODEL, TP = "llama3-70b", 4
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _shapes() -> list[tuple[int, int]]:
+    """(out_features, in_features) of one layer's linear weights on a generator TP rank (models.layout)."""
+    from megatron_rl.models import layout as L
+    from megatron_rl.models.spec import get_model_spec
+
+    shards = L.sglang_shards(get_model_spec(MODEL), TP, 0)
+    return [tuple(shards[f"{L.hf_layer(0)}.{name}.weight"].shape) for name in LINEARS]
 
 
 def _time(fn, repeats: int) -> float:
@@ -35,10 +42,10 @@ def run(quick: bool = False) -> dict:
     from megatron_rl.rollout.fp8 import FP8_MAX, dequantize_block_fp8, quantize_block_fp8
 
     repeats = 20 if quick else 100
-    out = {"device": torch.cuda.get_device_name(), "shapes": "Llama-3.1 70B linear layers at TP=4"}
+    out = {"device": torch.cuda.get_device_name(), "shapes": f"{MODEL} linear layers at TP={TP}"}
     for tokens in (64, 4096):
         flops = bf16_s = fp8_s = block_s = 0.0
-        for _, n, k in SHAPES:
+        for n, k in _shapes():
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             flops += 2 * tokens * n * k

@@ -141,10 +141,8 @@ def validate(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayout
     """Fail at planning time, naming both layouts, if the generator cannot take this trainer's weights."""
     both = f"({trainer.describe()} -> {generator.describe()}, model {spec.name!r})"
     if generator_spec is not None:
-        fields = ("arch", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
-                  "ffn_hidden_size", "vocab_size", "qkv_bias", "tie_word_embeddings")
-        diff = [f"{f}: {getattr(spec, f)} vs {getattr(generator_spec, f)}" for f in fields
-                if getattr(spec, f) != getattr(generator_spec, f)]
+        theirs = generator_spec.weight_fields()
+        diff = [f"{f}: {v} vs {theirs[f]}" for f, v in spec.weight_fields().items() if theirs[f] != v]
         if diff:
             raise ValueError(f"generator model does not match the trainer's {both}: {'; '.join(diff)}")
     try:

@@ -68,6 +68,14 @@ class ModelSpec:
         layer = attn + 3 * h * f + 2 * h
         return self.num_layers * layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
+    WEIGHT_FIELDS = ("arch", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                     "ffn_hidden_size", "vocab_size", "qkv_bias", "tie_word_embeddings")
+
+    def weight_fields(self) -> dict[str, Any]:
+        """The fields that decide every weight's name and shape: two models whose weights can replace each
+        other's agree on all of them (checkpoints, generators and DDMA plans compare these)."""
+        return {f: getattr(self, f) for f in self.WEIGHT_FIELDS}
+
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
 

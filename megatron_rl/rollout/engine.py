@@ -60,6 +60,7 @@ class LocalEngine:
         self.seed = seed
         self.weight_version = 0
         self.paused = False
+        self.restarts = self.rerun_requests = 0  # the engine protocol's fault counters: an in-process engine has none
         self._queue: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._free_slots = list(range(decoder.max_slots - 1))  # the last slot is reserved for score()
@@ -251,6 +252,9 @@ class LocalEngine:
 
     def abort_weight_update(self) -> None:
         self._staged = None
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the engine lives in this process (an SGLangEngine stops its server here)."""
 
     # ---- scoring ----------------------------------------------------------------------------------------------------
     def score(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:

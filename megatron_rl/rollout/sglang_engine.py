@@ -108,6 +108,8 @@ class SGLangEngine:
         self._staged: dict[str, torch.Tensor] | None = None
         self._serving: tuple[dict[str, torch.Tensor], list[str]] | None = None  # last shards and all ranks' handles
         self._last_progress = time.monotonic()
+        # CPU tensors travel as shared-memory file names, which a process that is not our child can open.
+        torch.multiprocessing.set_sharing_strategy("file_system")
 
     # ---- requests (leader) ----------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> str:
@@ -154,8 +156,7 @@ class SGLangEngine:
         return outputs
 
     def _check_alive(self) -> None:
-        if not self.server.alive():
-            self.server.post("/health")  # raises with the server's exit code and log tail
+        self.server.raise_if_dead("while requests were pending")
         if time.monotonic() - self._last_progress > self.stall_timeout_s:
             try:
                 self.server.get("/health", timeout=30.0)
@@ -169,6 +170,18 @@ class SGLangEngine:
         response = future.result()  # a server fault raises here and leaves the request pending, to run again
         del self._pending[future]
         return parse_generate_response(request_id, prompt, response)
+
+    def _survive(self, call) -> bool:
+        """Run a control call to the server; if the server died meanwhile, restart it (see `_recover`) and
+        return False. Errors of a live server are raised."""
+        try:
+            call()
+            return True
+        except SGLangServerError as fault:
+            if self.server.alive():
+                raise
+            self._recover(fault)
+            return False
 
     def _recover(self, fault: SGLangServerError) -> None:
         """Restart the server, give it the serving weights again, re-run every unfinished request."""
@@ -212,12 +225,7 @@ class SGLangEngine:
         self.paused = True
         if not self.is_leader:
             return []
-        try:
-            self.server.post("/pause_generation", {"mode": mode})
-        except SGLangServerError as fault:
-            if self.server.alive():
-                raise
-            self._recover(fault)  # restarted paused: the requests are queued again
+        self._survive(lambda: self.server.post("/pause_generation", {"mode": mode}))  # restarted paused if it died
         if mode == "retract":
             return []
         return [self._collect(f) for f in cf.wait(list(self._pending)).done]
@@ -225,12 +233,7 @@ class SGLangEngine:
     def continue_generation(self) -> None:
         self.paused = False
         if self.is_leader:
-            try:
-                self.server.post("/continue_generation", {})
-            except SGLangServerError as fault:
-                if self.server.alive():
-                    raise
-                self._recover(fault)  # restarted unpaused: the requests run again
+            self._survive(lambda: self.server.post("/continue_generation", {}))
 
     def begin_weight_update(self) -> None:
         if self.is_leader and self._pending and not self.paused:
@@ -254,24 +257,16 @@ class SGLangEngine:
         if self._staged is None:
             raise RuntimeError("end_weight_update without begin_weight_update")
         staged, self._staged = self._staged, None
-        # CPU tensors travel as shared-memory file names, which a process that is not our child can open.
-        torch.multiprocessing.set_sharing_strategy("file_system")
         handle = MultiprocessingSerializer.serialize(list(staged.items()), output_str=True)
         handles = self._gather(handle)
         status = [None]
         if self.is_leader:
             try:
-                try:
-                    self._post_weights(handles, version)
-                except SGLangServerError as fault:
-                    if self.server.alive():
-                        raise
-                    self._recover(fault)  # a server that died during the update: restart it, then update
-                    self._post_weights(handles, version)
+                if not self._survive(lambda: self._post_weights(handles, version)):
+                    self._post_weights(handles, version)  # into the restarted server
             except SGLangServerError as e:
                 status[0] = str(e)
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.broadcast_object_list(status, src=dist.get_global_rank(self.group, 0), group=self.group)
+        _share_from_leader(status, self.group)
         if status[0] is not None:
             raise SGLangServerError(f"SGLang weight update to version {version} failed: {status[0]}")
         self.weight_version = version
@@ -304,6 +299,12 @@ class SGLangEngine:
             self.server.shutdown()
 
 
+def _share_from_leader(box: list, group) -> None:
+    """Give every rank of a replica the leader's `box` contents (in place); nothing to do for one rank."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+
+
 def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, model_dir: str, log_path: str,
                          port: int | None = None, url: str | None = None, extra_flags: dict | None = None,
                          dtype: str = "float32", load_format: str = "dummy", max_total_tokens: int = 65536,
@@ -327,8 +328,7 @@ def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, 
             error[0] = f"{type(e).__name__}: {e}"
             if server is not None and not url:
                 server.shutdown()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.broadcast_object_list(error, src=dist.get_global_rank(group, 0), group=group)
+    _share_from_leader(error, group)
     if error[0] is not None:
         raise SGLangServerError(f"generator replica failed to start its SGLang engine: {error[0]}")
     return SGLangEngine(spec, server if is_leader else None, group, **engine_options)

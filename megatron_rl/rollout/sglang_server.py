@@ -132,7 +132,7 @@ class SGLangServer:
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            self._raise_if_dead("during start-up")
+            self.raise_if_dead("during start-up")
             try:
                 if self.http.get(self.url + "/health", timeout=5).status_code == 200:
                     return
@@ -157,11 +157,9 @@ class SGLangServer:
         config_path = os.path.join(str(info.get("model_path", "")), "config.json")
         if os.path.isfile(config_path):
             with open(config_path) as f:
-                served = ModelSpec.from_hf_config(json.load(f))
-            for field in ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                          "ffn_hidden_size", "vocab_size", "tie_word_embeddings"):
-                if getattr(served, field) != getattr(spec, field):
-                    problems.append(f"model {field} {getattr(served, field)} (the trainer's is {getattr(spec, field)})")
+                served = ModelSpec.from_hf_config(json.load(f)).weight_fields()
+            problems += [f"model {field} {served[field]} (the trainer's is {value})"
+                         for field, value in spec.weight_fields().items() if served[field] != value]
         else:
             problems.append(f"its model_path {info.get('model_path')!r} has no config.json readable here, so the "
                             "model cannot be checked against the trainer's")
@@ -185,7 +183,7 @@ class SGLangServer:
                     self.process.wait(5.0)
                 except subprocess.TimeoutExpired:
                     pass
-            self._raise_if_dead(f"during {path}")
+            self.raise_if_dead(f"during {path}")
             raise SGLangServerError(f"SGLang server {self.url}{path}: {type(e).__name__}: {e}"
                                     + self._tail_text()) from e
         if response.status_code != 200:
@@ -208,7 +206,8 @@ class SGLangServer:
         tail = self.log_tail()
         return f"\n--- last lines of {self.log_path} ---\n{tail}" if tail else ""
 
-    def _raise_if_dead(self, when: str) -> None:
+    def raise_if_dead(self, when: str) -> None:
+        """Raise with the exit code and the log's tail if the launched server has exited."""
         if not self.alive():
             raise SGLangServerError(f"SGLang server {self.url} exited with code {self.process.returncode} {when}"
                                     + self._tail_text())

@@ -131,9 +131,10 @@ def run_microbatches(
 
 
 def grads_finite(policy: Policy) -> bool:
-    """True when every gradient on every trainer rank is finite (one all-reduce over the trainer)."""
-    local = all(bool(torch.isfinite(g).all()) for p in policy.model.parameters()
-                if (g := getattr(p, "main_grad", p.grad)) is not None)
+    """True when every gradient on every trainer rank is finite: one check per contiguous grad buffer of
+    Megatron's DDP (every main_grad is a view into one), then one all-reduce over the trainer."""
+    local = all(bool(torch.isfinite(b.grad_data).all())
+                for b in policy.model.buffers + policy.model.expert_parallel_buffers)
     flag = torch.tensor([1 if local else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
