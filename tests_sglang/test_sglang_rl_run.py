@@ -1,6 +1,11 @@
 """The tiny example end to end with --rollout-backend sglang (a real SGLang server as the generator), whose
 server is killed with SIGKILL mid-run: the generator restarts it, gives it the current weights, re-runs the
-requests it lost, and the run finishes every step with every prompt consumed once."""
+requests it lost, and the run finishes every step with every prompt consumed once.
+
+Whether requests are in flight at the moment of the kill depends on timing (the generator may be paused for a
+weight update or waiting on the lag bound), so the re-run count is not asserted here; a lost request that was
+not re-run would leave its group unfinished and the run would not reach its last step. The re-run itself is
+tested deterministically in test_sglang_engine.py."""
 
 import json
 import os
@@ -52,7 +57,7 @@ def test_tiny_run_on_sglang_survives_a_killed_server(tmp_path):
     metrics = _rows(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 13))
     assert [m["weight_version"] for m in metrics] == list(range(2, 14))  # version 1: after the SFT warm-up
-    assert metrics[-1]["generator_restarts"] == 1 and metrics[-1]["rerun_requests"] >= 1
+    assert metrics[-1]["generator_restarts"] == 1
     rollouts = _rows(out / "rollouts.jsonl")
     keys = [(r["prompt_id"], r["sample_index"]) for r in rollouts]
     assert len(keys) == len(set(keys)) and sum(r["outcome"] == "trained" for r in rollouts) == 16 * 12
