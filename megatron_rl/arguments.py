@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-max-response-len", type=int, default=8)
     g.add_argument("--n-samples-per-prompt", type=int, default=4)
     g.add_argument("--rollout-max-running", type=int, default=64, help="requests decoded together per engine")
+    g.add_argument("--rollout-pause-mode", choices=["retract", "in_place"], default="retract",
+                   help="what requests in flight do at a weight update (SGLang's pause_generation modes): retract = "
+                        "their KV caches are recomputed by the new weights (exact, costs a prefill of everything "
+                        "in flight); in_place = they continue on the KV cache the old weights computed (no "
+                        "recomputation; the recorded log-probs are still those the tokens were sampled with)")
     g.add_argument("--partial-rollout-max-tokens", type=int, default=None,
                    help="a request yields its slot after this many tokens per weight version and resumes after "
                         "the next update (chunked partial rollouts against stragglers)")

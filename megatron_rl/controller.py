@@ -10,9 +10,9 @@
 Data flows one way: prompts -> generators -> reward -> buffer -> trainer -> DDMA -> generators.
 
 Asynchronous mode: the next step's prompts are dispatched before the trainer trains, so generation
-overlaps training; after each optimizer step DDMA publishes the new version; generators retract their
-in-flight requests, take the weights between two decode steps, and resume them (partial rollouts: tokens
-keep the version that produced them). Synchronous mode (--async-mode off) is the same loop with prompts
+overlaps training; after each optimizer step DDMA publishes the new version; generators pause their
+in-flight requests (--rollout-pause-mode: retract, or in_place), take the weights between two decode steps,
+and resume them (partial rollouts: tokens keep the version that produced them). Synchronous mode (--async-mode off) is the same loop with prompts
 dispatched only after the new weights are published: every rollout is on-policy (lag 0).
 """
 
@@ -129,7 +129,7 @@ class GeneratorExecutor:
         if args.rollout_fp8 and not torch.cuda.is_available():
             raise RuntimeError("--rollout-fp8 with --rollout-backend sglang needs a GPU (SGLang's FP8 layers "
                                "assert CUDA or AMX); use --rollout-backend local on CPU")
-        from megatron_rl.rollout.sglang_engine import start_replica_engine
+        from megatron_rl.rollout.sglang_engine import IN_PLACE_SERVER_FLAGS, start_replica_engine
         from megatron_rl.rollout.sglang_server import write_model_dir
 
         directory = os.path.join(args.output_dir, "sglang", f"replica{roles.replica}")
@@ -144,7 +144,9 @@ class GeneratorExecutor:
                                     max_total_tokens=max(args.rollout_max_running * args.seq_length, 8192),
                                     timeout_s=args.rollout_server_timeout,
                                     stall_timeout_s=args.rollout_server_stall_timeout,
-                                    max_restarts=args.rollout_server_max_restarts)
+                                    max_restarts=args.rollout_server_max_restarts,
+                                    required_flags=IN_PLACE_SERVER_FLAGS if args.rollout_pause_mode == "in_place"
+                                    else None)
 
     def _messages(self) -> list:
         """The leader reads control messages (blocking only when there is nothing to decode) and shares
@@ -180,7 +182,7 @@ class GeneratorExecutor:
                         meta[rid] = m
                 elif kind == "sync":
                     start = time.perf_counter()
-                    self.engine.pause("retract")
+                    self.engine.pause(self.args.rollout_pause_mode)
                     publish(self.plan, self.roles.rank, payload, engine=self.engine,
                             transport=TorchDistTransport(self.roles.sync_group), dtype=self.dtype,
                             bucket_bytes=self.args.ddma_bucket_mb * 2**20,

@@ -78,7 +78,23 @@ def _runtime_shards(spec, hf, tp, rank):
     return [(name, L.assemble(lay, L.slicer(hf))) for name, lay in L.sglang_shards(spec, tp, rank).items()]
 
 
-def _swap_rank(directory, tp, new_weights, steps_before):
+def _hf_greedy_on_old_cache(old, new, prompt, tokens, n):
+    """Greedy continuation by `new` attending to the keys and values `old` computed for the prompt and all of
+    `tokens` but the last (which `new` itself feeds): what an in-place weight update leaves in the KV cache.
+    Returns (tokens, log-probs)."""
+    with torch.no_grad():
+        cache = old(torch.tensor([prompt + tokens[:-1]]), use_cache=True).cache
+        nxt, out, logprobs = tokens[-1], [], []
+        for _ in range(n):
+            step = new(torch.tensor([[nxt]]), cache=cache, use_cache=True)
+            cache, logp = step.cache, torch.log_softmax(step.logits[0, -1], -1)
+            nxt = int(logp.argmax())
+            out.append(nxt)
+            logprobs.append(float(logp[nxt]))
+    return out, torch.tensor(logprobs)
+
+
+def _swap_rank(directory, tp, new_weights, steps_before, mode="retract"):
     import torch.distributed as dist
 
     engine = LocalEngine.from_hf(str(directory), tp_size=tp, max_slots=8)
@@ -87,7 +103,7 @@ def _swap_rank(directory, tp, new_weights, steps_before):
     finished = []
     for _ in range(steps_before):
         finished += engine.step()
-    assert engine.pause("retract") == []
+    assert engine.pause(mode) == []
     engine.begin_weight_update()
     rank = dist.get_rank() if tp > 1 else 0
     engine.load_weights(_runtime_shards(LLAMA, new_weights, tp, rank))
@@ -98,8 +114,10 @@ def _swap_rank(directory, tp, new_weights, steps_before):
     return finished
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_weight_swap_mid_generation_resumes_under_new_weights(tmp_path, tp):
+@pytest.mark.parametrize("tp,mode", [(1, "retract"), (2, "retract"), (1, "in_place"), (2, "in_place")])
+def test_weight_swap_mid_generation_resumes_under_new_weights(tmp_path, tp, mode):
+    """retract: the tokens after the swap are the new model's greedy continuation of the prefix (its KV cache
+    recomputed). in_place: they are the new model's greedy continuation on the old model's KV cache."""
     import transformers
 
     old = save_random_hf_model(LLAMA, tmp_path / "old", seed=0)
@@ -107,19 +125,24 @@ def test_weight_swap_mid_generation_resumes_under_new_weights(tmp_path, tp):
     new = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "old")
     new.load_state_dict(new_weights)
     if tp == 1:
-        outs = _swap_rank(tmp_path / "old", 1, new_weights, 5)
+        outs = _swap_rank(tmp_path / "old", 1, new_weights, 5, mode)
     else:
-        outs = run_on_ranks(_swap_rank, 2, tmp_path / "old", 2, new_weights, 5)[0]
+        outs = run_on_ranks(_swap_rank, 2, tmp_path / "old", 2, new_weights, 5, mode)[0]
     assert sorted(o.prompt_token_ids for o in outs) == sorted(PROMPTS)  # no request lost
     for out in outs:
         k = out.versions.count(0)
-        assert k == 5 and out.versions == [0] * k + [1] * (12 - k) and out.num_retractions == 1
+        assert k == 5 and out.versions == [0] * k + [1] * (12 - k)
+        assert out.num_retractions == (1 if mode == "retract" else 0)
         assert out.version_spans == [{"version": 0, "start": 0, "end": 5}, {"version": 1, "start": 5, "end": 12}]
-        prompt = out.prompt_token_ids
-        assert out.token_ids[:k] == _hf_greedy(old, prompt, k)
-        assert out.token_ids[k:] == _hf_greedy(new, prompt + out.token_ids[:k], 12 - k)
-        torch.testing.assert_close(torch.tensor(out.logprobs[k:]),
-                                   _hf_logprobs(new, prompt + out.token_ids[:k], out.token_ids[k:]), atol=1e-5, rtol=0)
+        prompt, before, after = out.prompt_token_ids, out.token_ids[:k], out.token_ids[k:]
+        assert before == _hf_greedy(old, prompt, k)
+        if mode == "retract":
+            want, want_logprobs = _hf_greedy(new, prompt + before, 12 - k), _hf_logprobs(new, prompt + before, after)
+        else:
+            want, want_logprobs = _hf_greedy_on_old_cache(old, new, prompt, before, 12 - k)
+            assert want != _hf_greedy(new, prompt + before, 12 - k)  # the old cache does change the continuation
+        assert after == want
+        torch.testing.assert_close(torch.tensor(out.logprobs[k:]), want_logprobs, atol=1e-5, rtol=0)
 
 
 def test_incomplete_update_keeps_the_old_version_serving(model_dir):

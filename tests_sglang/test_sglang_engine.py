@@ -1,6 +1,7 @@
 """SGLangEngine against a real SGLang server (TP=1) and the built-in engine on the same checkpoint: the
 same greedy tokens and log-probs, the same log-prob convention for sampled tokens, partial rollouts that
-resume under new weights with per-token versions, clear errors for a mismatched, unreachable or dead server."""
+resume under new weights (retracted, or paused in place) with per-token versions, clear errors for a
+mismatched, unreachable or dead server."""
 
 import os
 import signal
@@ -14,7 +15,7 @@ from megatron_rl.launch import free_port
 from megatron_rl.models import layout as L
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.rollout.engine import LocalEngine
-from megatron_rl.rollout.sglang_engine import SGLangEngine, start_replica_engine
+from megatron_rl.rollout.sglang_engine import IN_PLACE_SERVER_FLAGS, SGLangEngine, start_replica_engine
 from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
 from megatron_rl.rollout.types import LOGPROB_CONVENTION, SamplingParams
 
@@ -107,11 +108,62 @@ def test_retract_resumes_an_inflight_request_under_new_weights(engine, model_a, 
         [o.token_ids for o in reference(model_b).generate(PROMPTS, params)]
 
 
+def _builtin_in_place_switch(first, second, prompt, params, switch):
+    """The built-in engine (checked against transformers in tests/test_engine.py) generating `switch` tokens with
+    `first` (one per step), then switching to `second` in place."""
+    ref = reference(first)
+    ref.add_request(prompt, params, "ref")
+    for _ in range(switch):
+        ref.step()
+    ref.pause("in_place")
+    ref.begin_weight_update()
+    ref.load_weights(_runtime_shards(second))
+    ref.end_weight_update(version=1)
+    ref.continue_generation()
+    finished = []
+    while not finished:
+        finished = ref.step()
+    return finished[0]
+
+
+def test_in_place_pause_keeps_the_kv_cache_across_an_update(model_a, model_b, tmp_path):
+    """A server launched as the run launches it for --rollout-pause-mode in_place: a request paused in place
+    resumes under model B on the KV cache model A computed, exactly as the built-in engine does it."""
+    engine = start_replica_engine(SPEC, 1, None, True, model_a, str(tmp_path / "server.log"), load_format="auto",
+                                  required_flags=IN_PLACE_SERVER_FLAGS)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=600, ignore_eos=True)
+        per_token = _seconds_per_token(engine)
+        engine.add_request(PROMPTS[1], params, "in-place")
+        time.sleep(150 * per_token)
+        engine.pause("in_place")
+        engine.begin_weight_update()
+        engine.load_weights(_runtime_shards(model_b))
+        engine.end_weight_update(version=1)
+        engine.continue_generation()
+        out = None
+        while out is None:
+            out = next(iter(engine.step(timeout_s=1.0)), None)
+    finally:
+        engine.shutdown()
+    switch = out.versions.index(1)
+    assert 0 < switch < len(out.token_ids) == 600
+    assert out.versions == [0] * switch + [1] * (600 - switch) and out.num_retractions == 0
+    want = _builtin_in_place_switch(model_a, model_b, PROMPTS[1], params, switch)
+    assert out.token_ids == want.token_ids
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(want.logprobs), atol=ATOL, rtol=0)
+
+
 def test_a_mismatched_server_fails_at_start_naming_the_field(engine):
     with pytest.raises(SGLangServerError, match=r"tp_size 1 \(the run's --rollout-tensor-parallel-size is 2\)"):
         engine.server.check(SPEC, tp_size=2)
     with pytest.raises(SGLangServerError, match="hidden_size 64 \\(the trainer's is 128\\)"):
         engine.server.check(SPEC.replace(hidden_size=128), tp_size=1)
+
+
+def test_a_server_without_the_flags_of_in_place_pauses_fails_at_start(engine):
+    with pytest.raises(SGLangServerError, match=r"disable_radix_cache False \(this run needs --disable-radix-cache\)"):
+        engine.server.check(SPEC, 1, IN_PLACE_SERVER_FLAGS)
 
 
 def test_an_unreachable_server_fails_at_start():

@@ -1,13 +1,17 @@
 """Asynchronous vs synchronous RL step time on the same model and batch, with the theoretical bound.
 
-Two short runs of `megatron_rl.train` (one trainer process, one generator process, the tiny model, no
-warm-up), identical except --async-mode. Two processes, so that on the 2-core machine each role has a core
-of its own, as on a cluster each has its own GPUs: the bound below assumes generation and training can run
-at the same time. From the synchronous run, whose step is a generation phase (generate, score, wait)
-followed by a training phase (train + weight sync): t_train = the training phase, t_gen = the rest. Overlapping the
-two phases cannot make a step shorter than the longer one, so the bound on the speed-up is
-(t_gen + t_train) / max(t_gen, t_train). Both runs keep uniform-reward groups so that every step trains on
-exactly one batch (no dynamic re-sampling), which keeps the work per step equal.
+Short runs of `megatron_rl.train` (one trainer process, one generator process, the tiny model, no warm-up),
+identical but for --async-mode and, in asynchronous mode, --rollout-pause-mode. Two processes, so that on the
+2-core machine each role has a core of its own, as on a cluster each has its own GPUs: the bound below assumes
+generation and training can run at the same time. From the synchronous run, whose step is a generation phase
+(generate, score, wait) followed by a training phase (train + weight sync): t_train = the training phase,
+t_gen = the rest. Overlapping the two phases cannot make a step shorter than the longer one, so the bound on
+the speed-up is (t_gen + t_train) / max(t_gen, t_train). All runs keep uniform-reward groups so that every step
+trains on exactly one batch (no dynamic re-sampling), which keeps the work per step equal.
+
+Asynchronous mode is measured with both pause modes: "retract" (the default) recomputes the KV cache of every
+request in flight at a weight update, work the synchronous run never does (on a CPU a prefill costs about as
+much per token as decoding); "in_place" keeps it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import sys
 import tempfile
 
 
-def _run(out_dir: str, mode: str, iters: int) -> list[dict]:
+def _run(out_dir: str, mode: str, iters: int, pause_mode: str = "retract") -> list[dict]:
     from megatron_rl.launch import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
@@ -27,7 +31,7 @@ def _run(out_dir: str, mode: str, iters: int) -> list[dict]:
            "--global-batch-size", "64", "--micro-batch-size", "32", "--n-samples-per-prompt", "4",
            "--rollout-max-response-len", "16", "--task-max-digits", "2", "--eval-size", "4", "--keep-uniform-groups",
            "--reward-num-workers", "1",
-           "--async-mode", mode, "--max-staleness", "1", "--output-dir", out_dir]
+           "--async-mode", mode, "--max-staleness", "1", "--rollout-pause-mode", pause_mode, "--output-dir", out_dir]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if r.returncode != 0:
         raise RuntimeError(f"{mode} run failed:\n{r.stderr[-3000:]}")
@@ -36,17 +40,21 @@ def _run(out_dir: str, mode: str, iters: int) -> list[dict]:
 
 
 def run(quick: bool = False) -> dict:
-    iters = 10 if quick else 16
+    iters = 12 if quick else 20
     skip = 2  # warm-up steps excluded from the means
     with tempfile.TemporaryDirectory() as d:
         sync = _run(os.path.join(d, "sync"), "off", iters)[skip:]
-        asyn = _run(os.path.join(d, "async"), "on", iters)[skip:]
+        runs = {pause: _run(os.path.join(d, pause), "on", iters, pause)[skip:] for pause in ("retract", "in_place")}
     mean = lambda rows, f: sum(f(r) for r in rows) / len(rows)  # noqa: E731
     t_sync = mean(sync, lambda r: r["step_time_s"])
-    t_async = mean(asyn, lambda r: r["step_time_s"])
     t_train = mean(sync, lambda r: r["trainer_time"]["train_s"] + r["trainer_time"]["sync_s"])
     t_gen = t_sync - t_train
     bound = (t_gen + t_train) / max(t_gen, t_train)
-    speedup = t_sync / t_async
-    return {"sync_step_s": t_sync, "async_step_s": t_async, "t_gen_s": t_gen, "t_train_s": t_train,
-            "speedup": speedup, "bound": bound, "fraction_of_bound": speedup / bound, "steps_measured": len(sync)}
+    out = {"sync_step_s": t_sync, "t_gen_s": t_gen, "t_train_s": t_train, "bound": bound, "steps_measured": len(sync)}
+    for pause, rows in runs.items():
+        suffix = "" if pause == "retract" else "_in_place"
+        t_async = mean(rows, lambda r: r["step_time_s"])
+        out.update({f"async_step_s{suffix}": t_async, f"speedup{suffix}": t_sync / t_async,
+                    f"fraction_of_bound{suffix}": t_sync / t_async / bound,
+                    f"retracted_fraction{suffix}": mean(rows, lambda r: r["retracted_fraction"])})
+    return out

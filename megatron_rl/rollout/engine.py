@@ -2,10 +2,12 @@
 
 Semantics kept identical to SGLang (shared/notes/sglang.md): per-token behavior log-probs after temperature
 and before top-k/top-p; per-token weight versions; finish reasons "stop" / "length" / "abort"; pause with
-mode "abort" (in-flight requests return their partial output) or "retract" (they go back to the queue,
-keep what they generated, and resume under the new weights with their KV cache recomputed, never reused
-across versions); weight updates bracketed by begin/end_weight_update, atomic: an incomplete update raises
-and the previous version keeps serving.
+mode "abort" (in-flight requests return their partial output), "retract" (they go back to the queue, keep
+what they generated, and resume under the new weights with their KV cache recomputed by them) or "in_place"
+(they stay where they are and resume under the new weights on the KV cache the old weights computed: no
+recomputation; the tokens after the update are sampled from the new weights attending to old-weight keys
+and values, and their recorded log-probs are exactly that sampling distribution); weight updates bracketed
+by begin/end_weight_update, atomic: an incomplete update raises and the previous version keeps serving.
 
 With TP > 1 every rank of the engine's group runs the same calls in the same order (SPMD, as SGLang's TP
 schedulers do); sampling uses per-request generators so all ranks pick the same tokens.
@@ -26,7 +28,7 @@ from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.models.spec import ModelSpec
 from megatron_rl.rollout.decoder import TPDecoder
 from megatron_rl.rollout.sampling import sample
-from megatron_rl.rollout.types import RolloutOutput, SamplingParams
+from megatron_rl.rollout.types import PAUSE_MODES, RolloutOutput, SamplingParams
 
 
 @dataclasses.dataclass
@@ -203,11 +205,13 @@ class LocalEngine:
     # ---- control --------------------------------------------------------------------------------------------------
     def pause(self, mode: str = "retract") -> list[RolloutOutput]:
         """Stop decoding. "retract": running requests return to the front of the queue with what they
-        generated (their KV cache is dropped). "abort": running and queued requests end now with
-        finish_reason "abort" and are returned."""
-        if mode not in ("retract", "abort"):
-            raise ValueError(f"pause mode must be 'retract' or 'abort', got {mode!r}")
+        generated (their KV cache is dropped). "in_place": running requests keep their slots and KV cache.
+        "abort": running and queued requests end now with finish_reason "abort" and are returned."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self.paused = True
+        if mode == "in_place":
+            return []
         running, self._running = self._running, []
         for r in running:
             self._free_slots.append(r.slot)
@@ -226,9 +230,8 @@ class LocalEngine:
         self.paused = False
 
     def begin_weight_update(self) -> None:
-        if self._running:
-            raise RuntimeError(f"begin_weight_update with {len(self._running)} requests decoding: pause first "
-                               "(their KV caches were computed by the current weights)")
+        if self._running and not self.paused:
+            raise RuntimeError(f"begin_weight_update with {len(self._running)} requests decoding: pause first")
         self._staged = {}
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], copy: bool = True) -> None:

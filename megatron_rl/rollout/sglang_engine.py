@@ -6,9 +6,10 @@ leader also talks to the server:
 
 - requests go to `POST /generate` (token ids in, per-token log-probs and weight-version spans out), each
   on a worker thread, so `add_request` returns at once and `step` collects what has finished;
-- `pause("retract")` / `continue_generation` bracket a weight update: in-flight requests go back to
-  SGLang's queue keeping their tokens and resume under the new weights (partial rollouts; every token
-  keeps the version that produced it, from SGLang's `weight_versions` spans);
+- `pause("retract")` (or `"in_place"`) / `continue_generation` bracket a weight update: in-flight requests
+  go back to SGLang's queue keeping their tokens (or stay in its running batch with their KV cache) and
+  resume under the new weights (partial rollouts; every token keeps the version that produced it, from
+  SGLang's `weight_versions` spans);
 - weight updates are fed by DDMA: each generator rank receives exactly its SGLang TP rank's shards, in
   SGLang's runtime layout (fused `qkv_proj` / `gate_up_proj`, padded vocabulary). At
   `end_weight_update` every rank serializes its own shards into shared memory (only a handle travels,
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_rl.models.spec import ModelSpec
 from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
-from megatron_rl.rollout.types import LOGPROB_CONVENTION, RolloutOutput, SamplingParams
+from megatron_rl.rollout.types import LOGPROB_CONVENTION, PAUSE_MODES, RolloutOutput, SamplingParams
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -100,7 +101,7 @@ class SGLangEngine:
         self.is_leader = server is not None
         self.stall_timeout_s, self.max_restarts = stall_timeout_s, max_restarts
         self.weight_version = -1
-        self.paused = False
+        self.paused, self._pause_mode = False, "retract"
         self.restarts = 0
         self.rerun_requests = 0  # requests sent again after a restart
         self._pool = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-request")
@@ -219,14 +220,16 @@ class SGLangEngine:
     # ---- control --------------------------------------------------------------------------------------------------
     def pause(self, mode: str = "retract") -> list[RolloutOutput]:
         """"retract": in-flight requests go back to SGLang's queue with their tokens, to resume after
-        `continue_generation`. "abort": they end now; their partial outputs are returned."""
-        if mode not in ("retract", "abort"):
-            raise ValueError(f"pause mode must be 'retract' or 'abort', got {mode!r}")
-        self.paused = True
+        `continue_generation`. "in_place": they stay in SGLang's running batch with their KV cache. "abort": they
+        end now; their partial outputs are returned."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self.paused, self._pause_mode = True, mode
         if not self.is_leader:
             return []
-        self._survive(lambda: self.server.post("/pause_generation", {"mode": mode}))  # restarted paused if it died
-        if mode == "retract":
+        # A server that died meanwhile is restarted, and paused in retract mode (its requests are re-queued).
+        self._survive(lambda: self.server.post("/pause_generation", {"mode": mode}))
+        if mode != "abort":
             return []
         return [self._collect(f) for f in cf.wait(list(self._pending)).done]
 
@@ -276,9 +279,10 @@ class SGLangEngine:
 
     def _post_weights(self, handles: list[str], version: int) -> None:
         self.server.post("/begin_weight_update", {})
+        # Requests paused in place keep their KV cache, so it cannot be flushed (SGLang refuses while they run).
         result = self.server.post("/update_weights_from_tensor", {
-            "serialized_named_tensors": handles, "load_format": "direct", "flush_cache": True,
-            "weight_version": str(version)})
+            "serialized_named_tensors": handles, "load_format": "direct",
+            "flush_cache": not (self.paused and self._pause_mode == "in_place"), "weight_version": str(version)})
         self.server.post("/end_weight_update", {})
         if not result.get("success"):
             raise SGLangServerError(f"update_weights_from_tensor: {result.get('message', result)}")
@@ -299,6 +303,13 @@ class SGLangEngine:
             self.server.shutdown()
 
 
+# Server flags that in-place pauses need. The prefix cache is not flushed at an in-place update (requests keep
+# their KV), so a new request could reuse prefixes cached by old weights. The overlap scheduler processes the
+# batch in flight at an in-place pause after the update, labelling its token (sampled by the old weights) with
+# the new version (found by tests_sglang/test_sglang_engine.py).
+IN_PLACE_SERVER_FLAGS = {"disable_radix_cache": True, "disable_overlap_schedule": True}
+
+
 def _share_from_leader(box: list, group) -> None:
     """Give every rank of a replica the leader's `box` contents (in place); nothing to do for one rank."""
     if group is not None and dist.get_world_size(group) > 1:
@@ -308,10 +319,12 @@ def _share_from_leader(box: list, group) -> None:
 def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, model_dir: str, log_path: str,
                          port: int | None = None, url: str | None = None, extra_flags: dict | None = None,
                          dtype: str = "float32", load_format: str = "dummy", max_total_tokens: int = 65536,
-                         timeout_s: float = 600.0, **engine_options) -> SGLangEngine:
+                         timeout_s: float = 600.0, required_flags: dict | None = None,
+                         **engine_options) -> SGLangEngine:
     """Called on every rank of a generator replica. The leader launches its SGLang server (or attaches to
-    `url`) and checks that it serves `spec` at `tp_size`; every rank learns whether that worked and raises
-    the leader's error if not, so no rank is left waiting on a replica that never came up."""
+    `url`) and checks that it serves `spec` at `tp_size` with `required_flags` (given to a server it launches);
+    every rank learns whether that worked and raises the leader's error if not, so no rank is left waiting on
+    a replica that never came up."""
     from megatron_rl.launch import free_port
 
     server, error = None, [None]
@@ -321,9 +334,10 @@ def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, 
                 server = SGLangServer.attach(url, timeout_s)
             else:
                 server = SGLangServer.launch(model_dir, tp_size, port or free_port(), log_path, dtype=dtype,
-                                             max_total_tokens=max_total_tokens, extra_flags=extra_flags,
+                                             max_total_tokens=max_total_tokens,
+                                             extra_flags={**(extra_flags or {}), **(required_flags or {})},
                                              load_format=load_format, timeout_s=timeout_s)
-            server.check(spec, tp_size)
+            server.check(spec, tp_size, required_flags)
         except Exception as e:  # noqa: BLE001 - reported to every rank of the replica, then raised
             error[0] = f"{type(e).__name__}: {e}"
             if server is not None and not url:

@@ -143,10 +143,12 @@ class SGLangServer:
                                         + self._tail_text())
             time.sleep(1.0)
 
-    def check(self, spec: ModelSpec, tp_size: int) -> dict:
-        """Fail at start, with the mismatch named, when the server does not serve `spec` at `tp_size`."""
+    def check(self, spec: ModelSpec, tp_size: int, required_flags: dict | None = None) -> dict:
+        """Fail at start, with the mismatch named, when the server does not serve `spec` at `tp_size` or was not
+        started with `required_flags` (server arguments, e.g. {"disable_radix_cache": True})."""
         info = self.get("/server_info")
-        problems = []
+        problems = [f"{key} {info.get(key)} (this run needs {' '.join(_flag_list({key: value}))})"
+                    for key, value in (required_flags or {}).items() if info.get(key) != value]
         if info.get("tp_size") != tp_size:
             problems.append(f"tp_size {info.get('tp_size')} (the run's --rollout-tensor-parallel-size is {tp_size})")
         if info.get("dp_size", 1) != 1:

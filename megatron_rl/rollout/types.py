@@ -9,6 +9,10 @@ import dataclasses
 # top-k / top-p truncation. Greedy decoding (temperature 0) reports log_softmax(logits) (temperature 1).
 LOGPROB_CONVENTION = "temperature-scaled, before top-k/top-p"
 
+# How an engine stops for a weight update (SGLang's /pause_generation modes): "retract" drops in-flight
+# requests' KV caches and recomputes them under the new weights, "in_place" keeps them, "abort" ends the requests.
+PAUSE_MODES = ("retract", "in_place", "abort")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
