@@ -33,8 +33,10 @@ def _train(out_dir, *extra, timeout=300):
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
+    # In-place pauses here (the tiny example's tests run the default, retract): requests in flight at an update
+    # keep their KV cache.
     return _train(tmp_path_factory.mktemp("async"), "--train-iters", "4", "--async-mode", "on",
-                  "--max-staleness", "1")
+                  "--max-staleness", "1", "--rollout-pause-mode", "in_place")
 
 
 def test_async_steps_keep_the_contract(async_run):
@@ -52,6 +54,7 @@ def test_async_steps_keep_the_contract(async_run):
     assert all(r["lag"] <= 1 for r in trained)  # --max-staleness 1
     assert all(len(r["versions"]) == r["response_tokens"] > 0 for r in rollouts)  # a version per token
     assert all(r["versions"] == sorted(r["versions"]) for r in rollouts)
+    assert all(r["num_retractions"] == 0 for r in rollouts)  # paused in place, never retracted
     assert all(r["logprob_convention"] == "temperature-scaled, before top-k/top-p" for r in rollouts)
     assert any(r["lag"] == 1 for r in trained)  # asynchrony really happened
     # no prompt lost or duplicated: every sample once, and every dispatched prompt accounted for
