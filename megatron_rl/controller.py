@@ -5,7 +5,7 @@
 - generator ranks [T, T + G): engine replicas with their own TP (the built-in LocalEngine, or an SGLang server
   per replica driven by its ranks: --rollout-backend sglang);
 - channels (over a gloo group spanning all ranks): controller -> generators carries requests and weight
-  versions; generators -> controller carries finished rollouts; DDMA moves the weights.
+  versions; generators -> controller carries finished rollouts, a group's together; DDMA moves the weights.
 
 Data flows one way: prompts -> generators -> reward -> buffer -> trainer -> DDMA -> generators.
 
@@ -174,12 +174,18 @@ class GeneratorExecutor:
 
     def _serve(self) -> None:
         meta: dict[str, dict] = {}
+        # A group's rollouts leave together, once all of its samples sent here finished: the controller can use
+        # only complete groups, and each message costs the trainer's rank (its receiving thread wakes), so
+        # one message per engine step with complete groups instead of one per step with any finished sample.
+        unfinished: Counter = Counter()  # (eval, prompt id) -> samples still generating
+        held: dict[tuple, list] = defaultdict(list)  # (eval, prompt id) -> finished samples waiting for the rest
         while True:
             for kind, payload in self._messages():
                 if kind == "requests":
                     for rid, prompt, params, m in payload:
                         self.engine.add_request(prompt, SamplingParams(**params), rid)
                         meta[rid] = m
+                        unfinished[m["eval"], m["prompt_id"]] += 1
                 elif kind == "sync":
                     start = time.perf_counter()
                     self.engine.pause(self.args.rollout_pause_mode)
@@ -200,13 +206,18 @@ class GeneratorExecutor:
                 self.stats["busy_s"] += time.perf_counter() - start
                 self.stats["engine_restarts"] = self.engine.restarts
                 self.stats["rerun_requests"] = self.engine.rerun_requests
-                if finished and self.roles.is_leader:
-                    self.stats["tokens"] += sum(len(o.token_ids) for o in finished)
-                    self.rollouts.send(("rollouts", ([(o, meta.pop(o.request_id)) for o in finished],
-                                                     dict(self.stats))), 0)
-                elif finished:
-                    for o in finished:
-                        meta.pop(o.request_id)
+                complete = []
+                for o in finished:
+                    m = meta.pop(o.request_id)
+                    group = (m["eval"], m["prompt_id"])
+                    held[group].append((o, m))
+                    unfinished[group] -= 1
+                    if not unfinished[group]:
+                        del unfinished[group]
+                        complete += held.pop(group)
+                if complete and self.roles.is_leader:
+                    self.stats["tokens"] += sum(len(o.token_ids) for o, _ in complete)
+                    self.rollouts.send(("rollouts", (complete, dict(self.stats))), 0)
 
 
 # ---- trainer executor (rank 0 is the controller) --------------------------------------------------------------------
@@ -215,8 +226,8 @@ class GeneratorExecutor:
 class StepTimes:
     wait_s: float = 0.0  # trainer idle: waiting for rollouts
     reward_s: float = 0.0  # scoring this step's rollouts in the reward stage (overlapped, not the trainer's time)
-    train_s: float = 0.0
-    sync_s: float = 0.0
+    train_s: float = 0.0  # includes waiting, before the optimizer step, for the previous step's DDMA sends
+    sync_s: float = 0.0  # announcing the new version and posting this rank's DDMA sends
 
 
 class TrainerExecutor:
@@ -248,6 +259,7 @@ class TrainerExecutor:
         self.sft_algo = AlgorithmConfig(loss="sft")
         self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler)
         self.plan = ddma_plan(args, spec, roles)
+        self._publishing = None  # this rank's DDMA sends in flight (PendingPublish), if any
         if roles.is_controller:
             self.controller = Controller(args, roles, tokenizer, self)
 
@@ -268,6 +280,7 @@ class TrainerExecutor:
             dist.broadcast_object_list(box, src=0)
             name, payload = box[0]
             if name == "stop":
+                self._finish_publish()
                 return
             self._execute(name, payload)
 
@@ -284,10 +297,18 @@ class TrainerExecutor:
         dist.all_reduce(total, group=ps.get_model_parallel_group())
         return float(total)
 
+    def _finish_publish(self) -> None:
+        """Wait for this rank's last DDMA sends: they read the parameters, which must not change before."""
+        if self._publishing is not None:
+            self._publishing.wait()
+            self._publishing = None
+
     def _execute(self, name: str, payload):
+        if name not in ("train", "sft"):  # those wait just before their optimizer step
+            self._finish_publish()
         if name == "train":
             self.trainer.algo, self.trainer.scheduler = self.rl_algo, self.scheduler
-            metrics = self.trainer.train_step(payload)
+            metrics = self.trainer.train_step(payload, before_update=self._finish_publish)
             if self.args.log_param_checksum:
                 metrics["param_checksum"] = self.param_checksum()
             return metrics
@@ -296,13 +317,15 @@ class TrainerExecutor:
             self.trainer.algo, self.trainer.scheduler = self.sft_algo, None
             for group in self.trainer.policy.optimizer.param_groups:
                 group["lr"] = lr
-            return self.trainer.train_step(batch)
+            return self.trainer.train_step(batch, before_update=self._finish_publish)
         if name == "publish":
+            # Posted, not waited for: the trainer goes on while the generators reach a step boundary and receive.
             params = {n: p.detach() for n, p in self.trainer.policy.module.named_parameters()}
-            return publish(self.plan, self.roles.rank, payload, trainer_tensors=params,
-                           transport=TorchDistTransport(self.roles.sync_group),
-                           bucket_bytes=self.args.ddma_bucket_mb * 2**20,
-                           debug_checksums=self.args.ddma_debug_checksums)
+            self._publishing = publish(self.plan, self.roles.rank, payload, trainer_tensors=params,
+                                       transport=TorchDistTransport(self.roles.sync_group),
+                                       bucket_bytes=self.args.ddma_bucket_mb * 2**20,
+                                       debug_checksums=self.args.ddma_debug_checksums, background=True)
+            return None
         if name == "save":
             from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
 

@@ -48,8 +48,11 @@ def _sync_all_cases(cases):
             my_tp, my_pp = rank % tp, rank // (tp * dp)
             shards = L.megatron_shards(spec, trainer.megatron(), my_tp, my_pp)
             tensors = {n: L.assemble(s, L.slicer(hf)) for n, s in shards.items()}
-            publish(plan, rank, version=case + 1, trainer_tensors=tensors, transport=transport, bucket_bytes=4096,
-                    debug_checksums=True)
+            # Every other case the trainer posts its sends in the background (as the RL loop does) and waits later.
+            done = publish(plan, rank, version=case + 1, trainer_tensors=tensors, transport=transport,
+                           bucket_bytes=4096, debug_checksums=True, background=case % 2 == 1)
+            if case % 2 == 1:
+                done.wait()
         elif rank < trainer.world_size + generator.world_size:
             j = (rank - generator.first_rank) % gtp
             engine = LocalEngine(TPDecoder(spec, gtp, j, None, fp8=fp8))
@@ -75,6 +78,40 @@ def _sync_all_cases(cases):
         report.append(result)
         dist.barrier()
     return report
+
+
+def _background_publish(delay_s):
+    """Trainer rank 0 posts a publication while generator rank 1 is still busy for `delay_s`."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_rl.ddma.sync import publish
+    from megatron_rl.rollout.decoder import TPDecoder
+    from megatron_rl.rollout.engine import LocalEngine
+
+    plan = make_plan(TINY, TrainerLayout(1, 1, 1, dtype_bytes=4), GeneratorLayout(1, 1, first_rank=1))
+    hf = random_hf_weights(TINY, seed=3)
+    if dist.get_rank() == 0:
+        shards = L.megatron_shards(TINY, TrainerLayout(1, 1, 1).megatron(), 0, 0)
+        tensors = {n: L.assemble(s, L.slicer(hf)) for n, s in shards.items()}
+        start = time.perf_counter()
+        pending = publish(plan, 0, version=1, trainer_tensors=tensors, background=True)
+        posted_s = time.perf_counter() - start
+        stats = pending.wait()
+        return {"posted_s": posted_s, "waited_s": time.perf_counter() - start, "sent": stats.bytes_sent,
+                "planned": plan.bytes_sent(0)}
+    engine = LocalEngine(TPDecoder(TINY, 1, 0, None))
+    time.sleep(delay_s)
+    publish(plan, 1, version=1, engine=engine)
+    return {"equal": all(torch.equal(engine.decoder.params[n], L.assemble(s, L.slicer(hf)))
+                         for n, s in L.sglang_shards(TINY, 1, 0).items())}
+
+
+def test_a_background_publish_returns_before_the_generator_receives():
+    trainer, generator = run_on_ranks(_background_publish, 2, 1.0)
+    assert trainer["posted_s"] < 0.5 <= 1.0 <= trainer["waited_s"]
+    assert trainer["sent"] == trainer["planned"] and generator["equal"]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Asynchronous vs synchronous RL step time on the same model and batch, with the theoretical bound.
 
 Short runs of `megatron_rl.train` (one trainer process, one generator process, the tiny model, no warm-up),
-identical but for --async-mode and, in asynchronous mode, --rollout-pause-mode. Two processes, so that on the
+identical but for --async-mode and, in asynchronous mode, --rollout-pause-mode, repeated in alternation. Two processes, so that on the
 2-core machine each role has a core of its own, as on a cluster each has its own GPUs: the bound below assumes
 generation and training can run at the same time. From the synchronous run, whose step is a generation phase
 (generate, score, wait) followed by a training phase (train + weight sync): t_train = the training phase,
@@ -40,19 +40,26 @@ def _run(out_dir: str, mode: str, iters: int, pause_mode: str = "retract") -> li
 
 
 def run(quick: bool = False) -> dict:
-    iters = 12 if quick else 20
+    iters, rounds = (12, 2) if quick else (16, 3)
     skip = 2  # warm-up steps excluded from the means
+    # The runs alternate (sync, async retract, async in-place; again ...) so that the machine's drift over the
+    # minutes of the benchmark weighs on every mode alike; each mode's steps are pooled over the rounds.
+    modes = {"sync": ("off", "retract"), "retract": ("on", "retract"), "in_place": ("on", "in_place")}
+    steps: dict[str, list[dict]] = {name: [] for name in modes}
     with tempfile.TemporaryDirectory() as d:
-        sync = _run(os.path.join(d, "sync"), "off", iters)[skip:]
-        runs = {pause: _run(os.path.join(d, pause), "on", iters, pause)[skip:] for pause in ("retract", "in_place")}
+        for k in range(rounds):
+            for name, (async_mode, pause) in modes.items():
+                steps[name] += _run(os.path.join(d, f"{name}{k}"), async_mode, iters, pause)[skip:]
     mean = lambda rows, f: sum(f(r) for r in rows) / len(rows)  # noqa: E731
+    sync = steps["sync"]
     t_sync = mean(sync, lambda r: r["step_time_s"])
     t_train = mean(sync, lambda r: r["trainer_time"]["train_s"] + r["trainer_time"]["sync_s"])
     t_gen = t_sync - t_train
     bound = (t_gen + t_train) / max(t_gen, t_train)
-    out = {"sync_step_s": t_sync, "t_gen_s": t_gen, "t_train_s": t_train, "bound": bound, "steps_measured": len(sync)}
-    for pause, rows in runs.items():
-        suffix = "" if pause == "retract" else "_in_place"
+    out = {"sync_step_s": t_sync, "t_gen_s": t_gen, "t_train_s": t_train, "bound": bound,
+           "steps_measured_per_mode": len(sync), "rounds": rounds}
+    for pause in ("retract", "in_place"):
+        rows, suffix = steps[pause], "" if pause == "retract" else "_in_place"
         t_async = mean(rows, lambda r: r["step_time_s"])
         out.update({f"async_step_s{suffix}": t_async, f"speedup{suffix}": t_sync / t_async,
                     f"fraction_of_bound{suffix}": t_sync / t_async / bound,

@@ -15,10 +15,30 @@ class Transport(Protocol):
     bytes_sent: int
     bytes_received: int
 
-    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
-        """Send each uint8 buffer to its peer and receive into each uint8 buffer from its peer, all at once.
-        Messages between two ranks are matched in the order they are listed on both sides."""
+    def start(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> "Transfer":
+        """Post a send of each uint8 buffer to its peer and a receive into each uint8 buffer from its peer, all
+        at once; the buffers must stay untouched until the transfer's `wait` returns. Messages between two
+        ranks are matched in the order they are posted on both sides."""
         ...
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        """`start` and wait."""
+        ...
+
+
+class Transfer:
+    """Posted point-to-point operations; `wait` blocks until all completed, then counts their bytes."""
+
+    def __init__(self, transport, works: list, sent: int, received: int):
+        self.transport, self.works, self.sent, self.received = transport, works, sent, received
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        self.transport.bytes_sent += self.sent
+        self.transport.bytes_received += self.received
+        self.sent = self.received = 0
 
 
 class TorchDistTransport:
@@ -32,11 +52,11 @@ class TorchDistTransport:
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+    def start(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> Transfer:
         pg = self.group if self.group is not None else dist.group.WORLD
         works = [pg.send([buf], peer, self.TAG) for peer, buf in sends]
         works += [pg.recv([buf], peer, self.TAG) for peer, buf in recvs]
-        for work in works:
-            work.wait()
-        self.bytes_sent += sum(b.numel() for _, b in sends)
-        self.bytes_received += sum(b.numel() for _, b in recvs)
+        return Transfer(self, works, sum(b.numel() for _, b in sends), sum(b.numel() for _, b in recvs))
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        self.start(sends, recvs).wait()

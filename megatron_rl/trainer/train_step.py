@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -152,8 +152,9 @@ class PolicyTrainer:
             out.append(mb)
         return out
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on `batch`; returns the same metrics dict on every trainer rank."""
+    def train_step(self, batch: TrainBatch, before_update: Callable[[], None] | None = None) -> dict[str, float]:
+        """One optimizer step on `batch`; returns the same metrics dict on every trainer rank. `before_update`
+        runs between the backward passes and the optimizer step (the last moment the old weights are needed)."""
         from megatron.core import parallel_state as ps
 
         start = time.perf_counter()
@@ -161,6 +162,8 @@ class PolicyTrainer:
         vocab = self.policy.spec.vocab_size
         stats = run_microbatches(self.policy, self._microbatches(batch),
                                  lambda logits, mb: policy_loss(self.algo, logits, mb, vocab, normalizer))
+        if before_update is not None:
+            before_update()
         step = optimizer_step(self.policy)
         if self.scheduler is not None and step["update_successful"]:
             self.scheduler.step(increment=1)  # a skipped step does not advance the schedule (as in Megatron)
