@@ -80,19 +80,31 @@ def _seconds_per_token(engine) -> float:
     return (time.monotonic() - start) / 200
 
 
-def test_retract_resumes_an_inflight_request_under_new_weights(engine, model_a, model_b):
-    params = SamplingParams(temperature=0.0, max_new_tokens=1500, ignore_eos=True)
-    per_token = _seconds_per_token(engine)
-    engine.add_request(PROMPTS[1], params, "long")
-    time.sleep(300 * per_token)  # about a fifth of the request under version 0
-    engine.pause("retract")
+def _swap_weights(engine, path, mode, version):
+    """Pause (`mode`), load the checkpoint at `path` as `version`, continue."""
+    engine.pause(mode)
     engine.begin_weight_update()
-    engine.load_weights(_runtime_shards(model_b))
-    engine.end_weight_update(version=1)
+    engine.load_weights(_runtime_shards(path))
+    engine.end_weight_update(version=version)
     engine.continue_generation()
+
+
+def _swap_mid_request(engine, prompt, new_tokens, tokens_before, path, mode):
+    """Start a greedy request, let it generate about `tokens_before` tokens, swap to `path` as version 1;
+    returns the request's output."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    per_token = _seconds_per_token(engine)
+    engine.add_request(prompt, params, "swapped")
+    time.sleep(tokens_before * per_token)
+    _swap_weights(engine, path, mode, version=1)
     out = None
     while out is None:
         out = next(iter(engine.step(timeout_s=1.0)), None)
+    return out
+
+
+def test_retract_resumes_an_inflight_request_under_new_weights(engine, model_a, model_b):
+    out = _swap_mid_request(engine, PROMPTS[1], 1500, 300, model_b, "retract")  # about a fifth under version 0
     switch = out.versions.index(1)
     assert 0 < switch < len(out.token_ids) == 1500
     assert out.versions == [0] * switch + [1] * (1500 - switch) and out.num_retractions >= 1
@@ -108,18 +120,14 @@ def test_retract_resumes_an_inflight_request_under_new_weights(engine, model_a, 
         [o.token_ids for o in reference(model_b).generate(PROMPTS, params)]
 
 
-def _builtin_in_place_switch(first, second, prompt, params, switch):
-    """The built-in engine (checked against transformers in tests/test_engine.py) generating `switch` tokens with
-    `first` (one per step), then switching to `second` in place."""
+def _builtin_in_place_switch(first, second, prompt, new_tokens, switch):
+    """The built-in engine (checked against transformers in tests/test_engine.py) generating `switch` greedy
+    tokens with `first` (one per step), then switching to `second` in place."""
     ref = reference(first)
-    ref.add_request(prompt, params, "ref")
+    ref.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True), "ref")
     for _ in range(switch):
         ref.step()
-    ref.pause("in_place")
-    ref.begin_weight_update()
-    ref.load_weights(_runtime_shards(second))
-    ref.end_weight_update(version=1)
-    ref.continue_generation()
+    _swap_weights(ref, second, "in_place", version=1)
     finished = []
     while not finished:
         finished = ref.step()
@@ -132,24 +140,13 @@ def test_in_place_pause_keeps_the_kv_cache_across_an_update(model_a, model_b, tm
     engine = start_replica_engine(SPEC, 1, None, True, model_a, str(tmp_path / "server.log"), load_format="auto",
                                   required_flags=IN_PLACE_SERVER_FLAGS)
     try:
-        params = SamplingParams(temperature=0.0, max_new_tokens=600, ignore_eos=True)
-        per_token = _seconds_per_token(engine)
-        engine.add_request(PROMPTS[1], params, "in-place")
-        time.sleep(150 * per_token)
-        engine.pause("in_place")
-        engine.begin_weight_update()
-        engine.load_weights(_runtime_shards(model_b))
-        engine.end_weight_update(version=1)
-        engine.continue_generation()
-        out = None
-        while out is None:
-            out = next(iter(engine.step(timeout_s=1.0)), None)
+        out = _swap_mid_request(engine, PROMPTS[1], 600, 150, model_b, "in_place")
     finally:
         engine.shutdown()
     switch = out.versions.index(1)
     assert 0 < switch < len(out.token_ids) == 600
     assert out.versions == [0] * switch + [1] * (600 - switch) and out.num_retractions == 0
-    want = _builtin_in_place_switch(model_a, model_b, PROMPTS[1], params, switch)
+    want = _builtin_in_place_switch(model_a, model_b, PROMPTS[1], 600, switch)
     assert out.token_ids == want.token_ids
     torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(want.logprobs), atol=ATOL, rtol=0)
 
