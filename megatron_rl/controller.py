@@ -10,10 +10,11 @@
 Data flows one way: prompts -> generators -> reward -> buffer -> trainer -> DDMA -> generators.
 
 Asynchronous mode: the next step's prompts are dispatched before the trainer trains, so generation
-overlaps training; after each optimizer step DDMA publishes the new version; generators pause their
-in-flight requests (--rollout-pause-mode: retract, or in_place), take the weights between two decode steps,
-and resume them (partial rollouts: tokens keep the version that produced them). Synchronous mode (--async-mode off) is the same loop with prompts
-dispatched only after the new weights are published: every rollout is on-policy (lag 0).
+overlaps training; after each optimizer step DDMA publishes the new version (trainer ranks post their sends
+and wait for them just before the next optimizer step); generators pause their in-flight requests
+(--rollout-pause-mode: retract, or in_place), take the weights between two decode steps, and resume them
+(partial rollouts: tokens keep the version that produced them). Synchronous mode (--async-mode off) is the
+same loop with prompts dispatched only after the new weights are published: every rollout is on-policy.
 """
 
 from __future__ import annotations

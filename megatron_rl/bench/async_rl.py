@@ -1,13 +1,14 @@
 """Asynchronous vs synchronous RL step time on the same model and batch, with the theoretical bound.
 
 Short runs of `megatron_rl.train` (one trainer process, one generator process, the tiny model, no warm-up),
-identical but for --async-mode and, in asynchronous mode, --rollout-pause-mode, repeated in alternation. Two processes, so that on the
-2-core machine each role has a core of its own, as on a cluster each has its own GPUs: the bound below assumes
-generation and training can run at the same time. From the synchronous run, whose step is a generation phase
-(generate, score, wait) followed by a training phase (train + weight sync): t_train = the training phase,
-t_gen = the rest. Overlapping the two phases cannot make a step shorter than the longer one, so the bound on
-the speed-up is (t_gen + t_train) / max(t_gen, t_train). All runs keep uniform-reward groups so that every step
-trains on exactly one batch (no dynamic re-sampling), which keeps the work per step equal.
+identical but for --async-mode and, in asynchronous mode, --rollout-pause-mode, repeated in alternation. Two
+processes, so that on the 2-core machine each role has a core of its own, as on a cluster each has its own
+GPUs: the bound below assumes generation and training can run at the same time. From the synchronous runs,
+whose step is a generation phase (generate, score, wait) followed by a training phase (train + weight sync):
+t_train = the training phase, t_gen = the rest. Overlapping the two phases cannot make a step shorter than
+the longer one, so the bound on the speed-up is (t_gen + t_train) / max(t_gen, t_train). All runs keep
+uniform-reward groups so that every step trains on exactly one batch (no dynamic re-sampling), which keeps
+the work per step equal.
 
 Asynchronous mode is measured with both pause modes: "retract" (the default) recomputes the KV cache of every
 request in flight at a weight update, work the synchronous run never does (on a CPU a prefill costs about as
