@@ -260,7 +260,7 @@ class TrainerExecutor:
         self.sft_algo = AlgorithmConfig(loss="sft")
         self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler)
         self.plan = ddma_plan(args, spec, roles)
-        self._publishing = None  # this rank's DDMA sends in flight (PendingPublish), if any
+        self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
         if roles.is_controller:
             self.controller = Controller(args, roles, tokenizer, self)
 

@@ -87,6 +87,7 @@ def _background_publish(delay_s):
     import torch.distributed as dist
 
     from megatron_rl.ddma.sync import publish
+    from megatron_rl.ddma.transport import TorchDistTransport
     from megatron_rl.rollout.decoder import TPDecoder
     from megatron_rl.rollout.engine import LocalEngine
 
@@ -95,11 +96,12 @@ def _background_publish(delay_s):
     if dist.get_rank() == 0:
         shards = L.megatron_shards(TINY, TrainerLayout(1, 1, 1).megatron(), 0, 0)
         tensors = {n: L.assemble(s, L.slicer(hf)) for n, s in shards.items()}
+        transport = TorchDistTransport()
         start = time.perf_counter()
-        pending = publish(plan, 0, version=1, trainer_tensors=tensors, background=True)
+        pending = publish(plan, 0, version=1, trainer_tensors=tensors, transport=transport, background=True)
         posted_s = time.perf_counter() - start
-        stats = pending.wait()
-        return {"posted_s": posted_s, "waited_s": time.perf_counter() - start, "sent": stats.bytes_sent,
+        pending.wait()
+        return {"posted_s": posted_s, "waited_s": time.perf_counter() - start, "sent": transport.bytes_sent,
                 "planned": plan.bytes_sent(0)}
     engine = LocalEngine(TPDecoder(TINY, 1, 0, None))
     time.sleep(delay_s)

@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 
 from megatron_rl.ddma.plan import Piece, Plan
-from megatron_rl.ddma.transport import TorchDistTransport, Transport
+from megatron_rl.ddma.transport import TorchDistTransport, Transfer, Transport
 from megatron_rl.rollout.fp8 import BLOCK, quantize_block_fp8
 
 CHECKSUM_BYTES = 8
@@ -121,22 +121,6 @@ class _Receiver:
         self._pending.clear()
 
 
-class PendingPublish:
-    """A sending rank's publication in flight (`publish(..., background=True)`): its tensors must not change
-    until `wait` returns."""
-
-    def __init__(self, version: int, start: float, transfer, sends: list, rounds: int, transport: Transport):
-        self.version, self.start, self.transfer, self.sends, self.rounds = version, start, transfer, sends, rounds
-        self.transport = transport
-
-    def wait(self) -> SyncStats:
-        sent0 = self.transport.bytes_sent
-        self.transfer.wait()
-        self.sends = []
-        return SyncStats(self.version, time.perf_counter() - self.start, self.transport.bytes_sent - sent0, 0,
-                         self.rounds)
-
-
 def _round(k: int, buckets: dict, rank: int, plan: Plan, trainer_tensors, receiver: _Receiver | None,
            debug_checksums: bool):
     """Round k's sends, receives and (with debug_checksums) checks for this rank."""
@@ -164,21 +148,20 @@ def _round(k: int, buckets: dict, rank: int, plan: Plan, trainer_tensors, receiv
 def publish(plan: Plan, rank: int, version: int, trainer_tensors: dict[str, torch.Tensor] | None = None,
             engine=None, transport: Transport | None = None, bucket_bytes: int = 256 * 2**20,
             debug_checksums: bool = False, dtype: torch.dtype = torch.float32,
-            background: bool = False) -> SyncStats | PendingPublish:
+            background: bool = False) -> SyncStats | Transfer:
     """Run the plan's transfers that involve `rank`. Trainer ranks give `trainer_tensors` (their Megatron
     parameters by local name); generator ranks give `engine` (begin/load/end_weight_update).
 
-    `background`: a rank that only sends posts every round at once and returns a `PendingPublish` instead of
+    `background`: a rank that only sends posts every round at once and returns the `Transfer` instead of
     waiting, so that a trainer goes on (the next batch's forward and backward) while its generators reach a
-    step boundary and receive; it waits before it next changes the parameters."""
+    step boundary and receive; it must `wait()` before it next changes the parameters."""
     transport = transport or TorchDistTransport()
     start = time.perf_counter()
     buckets, rounds = _schedule(plan, rank, bucket_bytes)
     is_generator = rank in plan.runtime
     if background and not is_generator:
-        sends = [s for k in range(rounds) for s in _round(k, buckets, rank, plan, trainer_tensors, None,
-                                                          debug_checksums)[0]]
-        return PendingPublish(version, start, transport.start(sends, []), sends, rounds, transport)
+        return transport.start([s for k in range(rounds)
+                                for s in _round(k, buckets, rank, plan, trainer_tensors, None, debug_checksums)[0]], [])
     receiver = _Receiver(plan, rank, dtype) if is_generator else None
     sent0, recv0 = transport.bytes_sent, transport.bytes_received
     checksum_bytes = 0
@@ -187,7 +170,7 @@ def publish(plan: Plan, rank: int, version: int, trainer_tensors: dict[str, torc
     try:
         for k in range(rounds):
             sends, recvs, checks = _round(k, buckets, rank, plan, trainer_tensors, receiver, debug_checksums)
-            transport.exchange(sends, recvs)
+            transport.start(sends, recvs).wait()
             for src, bufs, check in checks:
                 checksum_bytes += CHECKSUM_BYTES
                 if not torch.equal(_checksum(bufs), check):

@@ -17,28 +17,24 @@ class Transport(Protocol):
 
     def start(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> "Transfer":
         """Post a send of each uint8 buffer to its peer and a receive into each uint8 buffer from its peer, all
-        at once; the buffers must stay untouched until the transfer's `wait` returns. Messages between two
-        ranks are matched in the order they are posted on both sides."""
-        ...
-
-    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
-        """`start` and wait."""
+        at once. Messages between two ranks are matched in the order they are posted on both sides."""
         ...
 
 
 class Transfer:
-    """Posted point-to-point operations; `wait` blocks until all completed, then counts their bytes."""
+    """Posted point-to-point operations and their buffers (which must stay untouched until `wait` returns);
+    `wait` blocks until all completed and counts their bytes on the transport."""
 
-    def __init__(self, transport, works: list, sent: int, received: int):
-        self.transport, self.works, self.sent, self.received = transport, works, sent, received
+    def __init__(self, transport, works: list, sends: list[tuple[int, torch.Tensor]],
+                 recvs: list[tuple[int, torch.Tensor]]):
+        self.transport, self.works, self.sends, self.recvs = transport, works, sends, recvs
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-        self.works = []
-        self.transport.bytes_sent += self.sent
-        self.transport.bytes_received += self.received
-        self.sent = self.received = 0
+        self.transport.bytes_sent += sum(b.numel() for _, b in self.sends)
+        self.transport.bytes_received += sum(b.numel() for _, b in self.recvs)
+        self.works, self.sends, self.recvs = [], [], []
 
 
 class TorchDistTransport:
@@ -56,7 +52,4 @@ class TorchDistTransport:
         pg = self.group if self.group is not None else dist.group.WORLD
         works = [pg.send([buf], peer, self.TAG) for peer, buf in sends]
         works += [pg.recv([buf], peer, self.TAG) for peer, buf in recvs]
-        return Transfer(self, works, sum(b.numel() for _, b in sends), sum(b.numel() for _, b in recvs))
-
-    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
-        self.start(sends, recvs).wait()
+        return Transfer(self, works, sends, recvs)

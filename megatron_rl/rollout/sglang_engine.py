@@ -101,7 +101,7 @@ class SGLangEngine:
         self.is_leader = server is not None
         self.stall_timeout_s, self.max_restarts = stall_timeout_s, max_restarts
         self.weight_version = -1
-        self.paused, self._pause_mode = False, "retract"
+        self.pause_mode: str | None = None  # while paused: how (PAUSE_MODES)
         self.restarts = 0
         self.rerun_requests = 0  # requests sent again after a restart
         self._pool = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-request")
@@ -218,13 +218,17 @@ class SGLangEngine:
         return [done[r] for r in rids]
 
     # ---- control --------------------------------------------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return self.pause_mode is not None
+
     def pause(self, mode: str = "retract") -> list[RolloutOutput]:
         """"retract": in-flight requests go back to SGLang's queue with their tokens, to resume after
         `continue_generation`. "in_place": they stay in SGLang's running batch with their KV cache. "abort": they
         end now; their partial outputs are returned."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self.paused, self._pause_mode = True, mode
+        self.pause_mode = mode
         if not self.is_leader:
             return []
         # A server that died meanwhile is restarted, and paused in retract mode (its requests are re-queued).
@@ -234,7 +238,7 @@ class SGLangEngine:
         return [self._collect(f) for f in cf.wait(list(self._pending)).done]
 
     def continue_generation(self) -> None:
-        self.paused = False
+        self.pause_mode = None
         if self.is_leader:
             self._survive(lambda: self.server.post("/continue_generation", {}))
 
@@ -282,7 +286,7 @@ class SGLangEngine:
         # Requests paused in place keep their KV cache, so it cannot be flushed (SGLang refuses while they run).
         result = self.server.post("/update_weights_from_tensor", {
             "serialized_named_tensors": handles, "load_format": "direct",
-            "flush_cache": not (self.paused and self._pause_mode == "in_place"), "weight_version": str(version)})
+            "flush_cache": self.pause_mode != "in_place", "weight_version": str(version)})
         self.server.post("/end_weight_update", {})
         if not result.get("success"):
             raise SGLangServerError(f"update_weights_from_tensor: {result.get('message', result)}")
