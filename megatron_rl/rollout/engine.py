@@ -128,12 +128,16 @@ class LocalEngine:
             return "length"
         return None
 
-    def _append(self, req: _Request, logits: torch.Tensor) -> None:
-        token, logprob = sample(logits, req.params, req.generator)
-        req.generated.append(token)
-        req.logprobs.append(logprob)
-        req.versions.append(self.weight_version)
-        req.this_version += 1
+    def _append(self, requests: list[_Request], logits: list[torch.Tensor]) -> None:
+        """Sample each request's next token from its row of the concatenated logits, in one batched call."""
+        if not requests:
+            return
+        tokens, logprobs = sample(torch.cat(logits), [r.params for r in requests], [r.generator for r in requests])
+        for req, token, logprob in zip(requests, tokens, logprobs):
+            req.generated.append(token)
+            req.logprobs.append(logprob)
+            req.versions.append(self.weight_version)
+            req.this_version += 1
 
     def step(self) -> list[RolloutOutput]:
         """Admit queued requests into free slots (prefill), then one batched decode step. Returns the
@@ -143,7 +147,7 @@ class LocalEngine:
         if self._deferred and not self._queue and not self._running:
             self._resume_deferred()  # nothing else is waiting: chunked requests go on
         finished: list[RolloutOutput] = []
-        admitted = []
+        admitted, next_logits = [], []
         while self._queue and self._free_slots:
             req = self._queue.popleft()
             self._free_slots.sort()  # lowest slots first: running requests stay contiguous (no KV gather)
@@ -156,19 +160,20 @@ class LocalEngine:
             prefixes = [r.prompt + r.generated for r in admitted]
             width = max(len(t) for t in prefixes)
             tokens = torch.tensor([t + [0] * (width - len(t)) for t in prefixes])
+            lengths = torch.tensor([len(t) for t in prefixes])
             logits = self.decoder.forward([r.slot for r in admitted], tokens, torch.zeros(len(admitted), dtype=torch.long))
-            for r, t, row in zip(admitted, prefixes, logits):
+            next_logits = [logits[torch.arange(len(admitted)), lengths - 1]]
+            for r, t in zip(admitted, prefixes):
                 r.cached = len(t)
-                self._append(r, row[len(t) - 1])
         decoding = sorted(self._running, key=lambda r: r.slot)
         if decoding:
             tokens = torch.tensor([[r.generated[-1]] for r in decoding])
             starts = torch.tensor([r.cached for r in decoding])
-            logits = self.decoder.forward([r.slot for r in decoding], tokens, starts)
-            for r, row in zip(decoding, logits):
+            next_logits.append(self.decoder.forward([r.slot for r in decoding], tokens, starts)[:, -1])
+            for r in decoding:
                 r.cached += 1
-                self._append(r, row[-1])
         self._running.extend(admitted)
+        self._append(admitted + decoding, next_logits)
         still = []
         for r in self._running:
             reason = self._finish_reason(r)
