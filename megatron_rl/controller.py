@@ -266,7 +266,8 @@ class TrainerExecutor:
 
     # Collective commands: rank 0 decides and broadcasts; every trainer rank executes the same command.
     def command(self, name: str, payload=None):
-        dist.broadcast_object_list([(name, payload)], src=0)
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list([(name, payload)], src=0)
         return self._execute(name, payload)
 
     def run(self) -> None:

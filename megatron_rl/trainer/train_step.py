@@ -22,6 +22,13 @@ from megatron_rl.trainer.policy import Policy, optimizer_step, run_microbatches
 LOSSES = ("aipo", "aipo-clamp", "ppo", "sft")
 
 
+def _ragged_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every element of ragged rows of these lengths, each row starting at column 0."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return rows, torch.arange(int(lengths.sum())) - starts[rows]
+
+
 @dataclasses.dataclass
 class TrainBatch:
     """Rollouts as padded tensors. Position t of the [N, L-1] tensors is the prediction of tokens[:, t+1]."""
@@ -44,20 +51,30 @@ class TrainBatch:
                           ("advantages", advantages)):
             if len(seq) != n:
                 raise ValueError(f"{name} has {len(seq)} entries, prompts has {n}")
-        length = max(len(p) + len(r) for p, r in zip(prompts, responses))
-        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
-        tokens = torch.full((n, length), pad_id, dtype=torch.long)
-        mask = torch.zeros((n, length - 1), dtype=torch.bool)
-        blp = torch.zeros((n, length - 1), dtype=torch.float32)
         for i, (p, r, lp) in enumerate(zip(prompts, responses, behavior_logprobs)):
             if len(lp) != len(r):
                 raise ValueError(f"behavior_logprobs[{i}] has {len(lp)} values for {len(r)} response tokens")
             if not p:
                 raise ValueError(f"prompts[{i}] is empty: the first response token needs a context")
-            tokens[i, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-            span = slice(len(p) - 1, len(p) - 1 + len(r))
-            mask[i, span] = torch.tensor(response_masks[i], dtype=torch.bool) if response_masks else True
-            blp[i, span] = torch.tensor(lp, dtype=torch.float32)
+            if response_masks is not None and len(response_masks[i]) != len(r):
+                raise ValueError(f"response_masks[{i}] has {len(response_masks[i])} values for {len(r)} "
+                                 "response tokens")
+        # One scatter per tensor, not three small copies per row: this runs on the controller's critical path.
+        prompt_len = torch.tensor([len(p) for p in prompts])
+        response_len = torch.tensor([len(r) for r in responses])
+        length = int((prompt_len + response_len).max())
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+        seq_rows, seq_cols = _ragged_index(prompt_len + response_len)
+        resp_rows, resp_cols = _ragged_index(response_len)
+        resp_cols += (prompt_len - 1)[resp_rows]  # position t predicts token t + 1
+        tokens = torch.full((n, length), pad_id, dtype=torch.long)
+        tokens[seq_rows, seq_cols] = torch.tensor([t for p, r in zip(prompts, responses) for t in (*p, *r)],
+                                                  dtype=torch.long)
+        mask = torch.zeros((n, length - 1), dtype=torch.bool)
+        mask[resp_rows, resp_cols] = True if response_masks is None else \
+            torch.tensor([m for ms in response_masks for m in ms], dtype=torch.bool)
+        blp = torch.zeros((n, length - 1), dtype=torch.float32)
+        blp[resp_rows, resp_cols] = torch.tensor([v for lp in behavior_logprobs for v in lp], dtype=torch.float32)
         return cls(tokens, mask, blp, torch.tensor(advantages, dtype=torch.float32))
 
     def __len__(self) -> int:
