@@ -130,9 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default="token-mean")
     g.add_argument("--kl-coef", type=float, default=0.0)
     g.add_argument("--entropy-coef", type=float, default=0.0)
-    g.add_argument("--async-mode", choices=["on", "off"], default="on",
+    g.add_argument("--async-mode", choices=["on", "off", "alternate"], default="on",
                    help="on: generation overlaps training (off-policy, AIPO-corrected); off: the synchronous "
-                        "on-policy baseline")
+                        "on-policy baseline; alternate: blocks of --async-alternate-steps asynchronous and "
+                        "synchronous steps in turn, to measure the speed-up within one run")
+    g.add_argument("--async-alternate-steps", type=int, default=6, help="steps per block of --async-mode alternate")
     g.add_argument("--max-staleness", type=int, default=1, help="max versions between trainer and oldest token")
     g.add_argument("--max-oversample", type=int, default=4,
                    help="sample up to this many x the step's prompts to replace groups without signal")
@@ -245,7 +247,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
                  "--global-batch-size", "--rollout-tensor-parallel-size", "--rollout-num-replicas",
-                 "--n-samples-per-prompt", "--rollout-max-response-len", "--reward-timeout"):
+                 "--n-samples-per-prompt", "--rollout-max-response-len", "--reward-timeout",
+                 "--async-alternate-steps"):
         positive(flag)
     if args.global_batch_size % args.n_samples_per_prompt:
         parser.error(f"--global-batch-size {args.global_batch_size} is not a multiple of --n-samples-per-prompt "
@@ -254,6 +257,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--n-samples-per-prompt must be >= 2 for a group baseline, got {args.n_samples_per_prompt}")
     if args.async_mode == "off" and args.max_staleness != 0:
         args.max_staleness = 0  # the synchronous baseline is on-policy by construction
+    if args.async_mode != "off" and args.max_staleness < 1:
+        parser.error(f"--async-mode {args.async_mode} trains on rollouts one version old: --max-staleness must be "
+                     f">= 1, got {args.max_staleness} (or use --async-mode off)")
     if args.save_interval and not args.save:
         parser.error("--save-interval needs --save")
     if args.rollout_backend == "sglang":

@@ -15,6 +15,8 @@ and wait for them just before the next optimizer step); generators pause their i
 (--rollout-pause-mode: retract, or in_place), take the weights between two decode steps, and resume them
 (partial rollouts: tokens keep the version that produced them). Synchronous mode (--async-mode off) is the
 same loop with prompts dispatched only after the new weights are published: every rollout is on-policy.
+--async-mode alternate switches between the two every --async-alternate-steps steps (each metrics row says
+which kind of step it was), so that a machine whose speed drifts compares both within seconds.
 """
 
 from __future__ import annotations
@@ -491,12 +493,16 @@ class Controller:
         except BaseException as e:  # noqa: BLE001 - raised again in the controller's thread
             self._scored.put(("error", None, e, 0.0))
 
-    def receive(self, times: StepTimes | None = None) -> None:
-        """Take one scored message from the reward stage and buffer its rollouts."""
+    def receive(self, times: StepTimes | None = None, block: bool = True) -> bool:
+        """Take one scored message from the reward stage and buffer its rollouts. `block=False`: only if one is
+        ready; returns whether a message was taken."""
         start = time.perf_counter()
         try:
-            kind, src, payload, reward_s = self._scored.get(timeout=self.args.generator_timeout)
+            kind, src, payload, reward_s = self._scored.get(timeout=self.args.generator_timeout) if block else \
+                self._scored.get_nowait()
         except queue.Empty:
+            if not block:
+                return False
             raise RuntimeError(f"no rollouts from any generator for {self.args.generator_timeout:.0f} s "
                                f"(--generator-timeout) with {len(self.inflight)} prompts in flight: a generator hangs "
                                f"or died (generator ranks {self.leaders[0]}..{self.roles.world_size - 1}; see "
@@ -506,7 +512,7 @@ class Controller:
         if kind == "stopped":
             self.gen_stats[src] = payload
             self._stopped += 1
-            return
+            return True
         outputs, results, stats = payload
         self.gen_stats[src] = stats
         self.reward_failures.check(results)
@@ -524,6 +530,7 @@ class Controller:
                 temperature=self.args.rollout_temperature, reference=meta["reference"], reward=result.reward,
                 reward_status=result.status, num_retractions=out.num_retractions,
                 created_at=meta["dispatched_at"], finished_at=time.time()))
+        return True
 
     def log_outcomes(self, step: int, outcomes) -> None:
         if self._rollout_log is None:
@@ -640,8 +647,13 @@ class Controller:
                                          [r.loss_mask for r in rollouts] if any(r.loss_mask for r in rollouts)
                                          else None)
 
+    def is_async_step(self, step: int) -> bool:
+        if self.args.async_mode == "alternate":  # blocks of steps, the first one asynchronous
+            return (step - 1) // self.args.async_alternate_steps % 2 == 0
+        return self.args.async_mode == "on"
+
     def rl_step(self, step: int, run_start: float) -> dict:
-        P, ahead = self.prompts_per_step, self.args.async_mode == "on"
+        P, ahead = self.prompts_per_step, self.is_async_step(step)
         times, start = StepTimes(), time.perf_counter()
         groups, discards, lags, sampled_rewards, popped, ages = [], Counter(), Counter(), [], 0, []
         while len(groups) < P:
@@ -651,6 +663,8 @@ class Controller:
             self.top_up(P - len(groups) + (P if ahead else 0))
             while self.buffer.complete_groups() == 0:
                 self.receive(times)
+            while self.receive(times, block=False):  # and whatever else is scored already: one take per batch
+                pass
             batch = self.buffer.take(P - len(groups), self.version, drop_uniform=None if not exhausted else False)
             popped += batch.popped
             for r, _ in batch.outcomes:
@@ -686,6 +700,7 @@ class Controller:
         self._gen_totals = gen
         return {
             "weight_version": self.version, "consumed_samples": self.consumed, "time_s": time.time() - run_start,
+            "async": ahead,
             # over every rollout sampled for this step (the policy's performance), and over those trained on
             # (uniform-reward groups carry no signal and are dropped)
             "reward_mean": sum(sampled_rewards) / len(sampled_rewards),
@@ -729,7 +744,8 @@ class Controller:
         print(f"held-out accuracy before RL: {accuracy_before:.3f}", flush=True)
         run_start = time.time()
         bar = tqdm(range(start_step + 1, args.train_iters + 1), initial=start_step, total=args.train_iters,
-                   desc=f"AIPO ({'async' if args.async_mode == 'on' else 'sync'})", dynamic_ncols=True)
+                   desc=f"AIPO ({ {'on': 'async', 'off': 'sync', 'alternate': 'async/sync'}[args.async_mode]})",
+                   dynamic_ncols=True)
         for step in bar:
             metrics = self.rl_step(step, run_start)
             self.logger.log(step, metrics)

@@ -37,6 +37,7 @@ def test_help_shows_megatron_groups_and_flags():
     (["--sglang-mem-fraction-static", "0.8"], "--sglang-mem-fraction-static need(s) --rollout-backend sglang"),
     (["--rollout-backend", "sglang", "--rollout-num-replicas", "2", "--rollout-server-urls", "http://a:1"],
      "--rollout-server-urls has 1 URL(s) for --rollout-num-replicas 2"),
+    (["--async-mode", "alternate", "--max-staleness", "0"], "--max-staleness must be >= 1, got 0"),
 ])
 def test_bad_flags_fail_with_clear_messages(args, message):
     r = _cli(*args)

@@ -34,24 +34,29 @@ def _train(out_dir, *extra, timeout=300):
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     # In-place pauses here (the tiny example's tests run the default, retract): requests in flight at an update
-    # keep their KV cache.
-    return _train(tmp_path_factory.mktemp("async"), "--train-iters", "4", "--async-mode", "on",
-                  "--max-staleness", "1", "--rollout-pause-mode", "in_place")
+    # keep their KV cache. Blocks of 2 asynchronous and 2 synchronous steps (--async-mode alternate).
+    return _train(tmp_path_factory.mktemp("async"), "--train-iters", "6", "--async-mode", "alternate",
+                  "--async-alternate-steps", "2", "--max-staleness", "1", "--rollout-pause-mode", "in_place")
 
 
 def test_async_steps_keep_the_contract(async_run):
     metrics, evaluation, rollouts = async_run
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert [m["weight_version"] for m in metrics] == [1, 2, 3, 4]  # version 0: the initial weights
-    assert [m["consumed_samples"] for m in metrics] == [16, 32, 48, 64]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert [m["weight_version"] for m in metrics] == [1, 2, 3, 4, 5, 6]  # version 0: the initial weights
+    assert [m["consumed_samples"] for m in metrics] == [16, 32, 48, 64, 80, 96]
+    assert [m["async"] for m in metrics] == [True, True, False, False, True, True]
     for m in metrics:
         assert 0 <= m["reward_mean"] <= 1 and m["train"]["tokens"] > 0
         assert set(m["trainer_time"]) == {"wait_for_rollouts_s", "reward_s", "train_s", "sync_s"}
     assert 0 <= evaluation["accuracy_before_rl"] <= 1 and 0 <= evaluation["accuracy_after_rl"] <= 1
 
     trained = [r for r in rollouts if r["outcome"] == "trained"]
-    assert len(trained) == 64
+    assert len(trained) == 96
     assert all(r["lag"] <= 1 for r in trained)  # --max-staleness 1
+    # Step 3 trains on prompts dispatched ahead during step 2; step 4 is synchronous throughout: on-policy.
+    # Step 6's prompts were dispatched ahead again, before step 5's update.
+    lags = lambda step: {r["lag"] for r in trained if r["step"] == step}  # noqa: E731
+    assert lags(4) == {0} and 1 in lags(6)
     assert all(len(r["versions"]) == r["response_tokens"] > 0 for r in rollouts)  # a version per token
     assert all(r["versions"] == sorted(r["versions"]) for r in rollouts)
     assert all(r["num_retractions"] == 0 for r in rollouts)  # paused in place, never retracted
