@@ -162,7 +162,7 @@ class LocalEngine:
             tokens = torch.tensor([t + [0] * (width - len(t)) for t in prefixes])
             lengths = torch.tensor([len(t) for t in prefixes])
             logits = self.decoder.forward([r.slot for r in admitted], tokens, torch.zeros(len(admitted), dtype=torch.long))
-            next_logits = [logits[torch.arange(len(admitted)), lengths - 1]]
+            next_logits.append(logits[torch.arange(len(admitted)), lengths - 1])
             for r, t in zip(admitted, prefixes):
                 r.cached = len(t)
         decoding = sorted(self._running, key=lambda r: r.slot)
