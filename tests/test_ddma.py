@@ -11,7 +11,8 @@ import itertools
 import pytest
 import torch
 
-from megatron_rl.ddma.plan import GeneratorLayout, TrainerLayout, make_plan, summarize
+from megatron_rl.ddma.plan import make_plan, summarize
+from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
 from megatron_rl.launch import run_on_ranks
 from megatron_rl.models import layout as L
 from megatron_rl.models.spec import get_model_spec
@@ -33,7 +34,7 @@ def _sync_all_cases(cases):
     from megatron_rl.ddma.transport import TorchDistTransport
     from megatron_rl.rollout.decoder import TPDecoder
     from megatron_rl.rollout.engine import LocalEngine
-    from megatron_rl.rollout.fp8 import quantize_block_fp8
+    from megatron_rl.models.fp8 import quantize_block_fp8
 
     rank = dist.get_rank()
     report = []
@@ -46,7 +47,7 @@ def _sync_all_cases(cases):
         result = {"case": case, "rank": rank}
         if rank < trainer.world_size:
             my_tp, my_pp = rank % tp, rank // (tp * dp)
-            shards = L.megatron_shards(spec, trainer.megatron(), my_tp, my_pp)
+            shards = L.megatron_shards(spec, trainer, my_tp, my_pp)
             tensors = {n: L.assemble(s, L.slicer(hf)) for n, s in shards.items()}
             # Every other case the trainer posts its sends in the background (as the RL loop does) and waits later.
             done = publish(plan, rank, version=case + 1, trainer_tensors=tensors, transport=transport,
@@ -80,9 +81,11 @@ def _sync_all_cases(cases):
     return report
 
 
-def _background_publish(delay_s):
-    """Trainer rank 0 posts a publication while generator rank 1 is still busy for `delay_s`."""
-    import time
+def _background_publish():
+    """Trainer rank 0 posts a publication; generator rank 1 starts receiving only after rank 0 says it got
+    control back from `publish`. A publish that waited for its receiver would never say so (rank 1 would time
+    out waiting for the word)."""
+    import datetime
 
     import torch.distributed as dist
 
@@ -93,26 +96,26 @@ def _background_publish(delay_s):
 
     plan = make_plan(TINY, TrainerLayout(1, 1, 1, dtype_bytes=4), GeneratorLayout(1, 1, first_rank=1))
     hf = random_hf_weights(TINY, seed=3)
+    posted = torch.zeros(1)
     if dist.get_rank() == 0:
-        shards = L.megatron_shards(TINY, TrainerLayout(1, 1, 1).megatron(), 0, 0)
+        shards = L.megatron_shards(TINY, plan.trainer, 0, 0)
         tensors = {n: L.assemble(s, L.slicer(hf)) for n, s in shards.items()}
         transport = TorchDistTransport()
-        start = time.perf_counter()
         pending = publish(plan, 0, version=1, trainer_tensors=tensors, transport=transport, background=True)
-        posted_s = time.perf_counter() - start
+        dist.send(posted + 1, 1, tag=99)
         pending.wait()
-        return {"posted_s": posted_s, "waited_s": time.perf_counter() - start, "sent": transport.bytes_sent,
-                "planned": plan.bytes_sent(0)}
+        return {"sent": transport.bytes_sent, "planned": plan.bytes_sent(0)}
     engine = LocalEngine(TPDecoder(TINY, 1, 0, None))
-    time.sleep(delay_s)
+    dist.irecv(posted, 0, tag=99).wait(datetime.timedelta(seconds=60))
     publish(plan, 1, version=1, engine=engine)
-    return {"equal": all(torch.equal(engine.decoder.params[n], L.assemble(s, L.slicer(hf)))
+    return {"posted_first": posted.item() == 1,
+            "equal": all(torch.equal(engine.decoder.params[n], L.assemble(s, L.slicer(hf)))
                          for n, s in L.sglang_shards(TINY, 1, 0).items())}
 
 
 def test_a_background_publish_returns_before_the_generator_receives():
-    trainer, generator = run_on_ranks(_background_publish, 2, 1.0)
-    assert trainer["posted_s"] < 0.5 <= 1.0 <= trainer["waited_s"]
+    trainer, generator = run_on_ranks(_background_publish, 2)
+    assert generator["posted_first"]
     assert trainer["sent"] == trainer["planned"] and generator["equal"]
 
 
@@ -161,8 +164,8 @@ def test_dp_replicas_share_the_sending():
 
 
 @pytest.mark.parametrize("trainer,generator,message", [
-    (TrainerLayout(1, 1, 1), GeneratorLayout(3, 1, first_rank=1), "generator TP=3 does not divide"),
-    (TrainerLayout(4, 1, 1), GeneratorLayout(1, 1, first_rank=4), "trainer TP=4 does not divide"),
+    (TrainerLayout(1, 1, 1), GeneratorLayout(3, 1, first_rank=1), r"generator TP=3 \(--rollout-tensor-parallel-size\) does not divide"),
+    (TrainerLayout(4, 1, 1), GeneratorLayout(1, 1, first_rank=4), r"trainer TP=4 \(--tensor-model-parallel-size\) does not divide"),
     (TrainerLayout(2, 1, 1), GeneratorLayout(1, 1, first_rank=1), "generator ranks start at 1, inside"),
 ])
 def test_impossible_layouts_fail_at_planning_naming_both(trainer, generator, message):

@@ -189,7 +189,7 @@ def test_bad_requests_fail_clearly(model_dir):
 # ---- FP8 -----------------------------------------------------------------------------------------------------------
 
 def test_block_fp8_round_trip_error_is_bounded():
-    from megatron_rl.rollout.fp8 import dequantize_block_fp8, quantize_block_fp8
+    from megatron_rl.models.fp8 import dequantize_block_fp8, quantize_block_fp8
 
     w = torch.randn(300, 200) * torch.logspace(-3, 1, 200)  # columns of very different scales
     q, scale_inv = quantize_block_fp8(w)
@@ -216,7 +216,7 @@ def test_fp8_engine_logprobs_stay_close_to_full_precision(tmp_path):
     # gives KL > 0.1).
     assert kl.mean() < 1e-2 and kl.max() < 5e-2, f"mean KL {kl.mean():.2e}, max {kl.max():.2e}"
     # Pre-quantized shards (what DDMA sends in FP8 mode) give the same weights as quantizing on receipt.
-    from megatron_rl.rollout.fp8 import quantize_block_fp8
+    from megatron_rl.models.fp8 import quantize_block_fp8
 
     fp8.begin_weight_update()
     sent = []

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_rl.launch import run_on_ranks
 from megatron_rl.models.hf import hf_config, save_random_hf_model
+from megatron_rl.models.layout import TrainerLayout
 from megatron_rl.models.spec import MODELS, ModelSpec, get_model_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,17 +84,18 @@ def test_torch_dist_format_round_trip(tmp_path):
 def _megatron_logits(source: str, from_megatron: bool, spec: ModelSpec, tp: int, ids: torch.Tensor):
     from megatron.core import parallel_state as ps
 
-    from megatron_rl import parallel
-    from megatron_rl.models.convert import MegatronCheckpoint
+    from megatron_rl.conversion import MegatronCheckpoint
     from megatron_rl.models.safetensors_io import HFCheckpoint
+    from megatron_rl.trainer import parallel
     from megatron_rl.trainer.model import build_gpt_model
     from megatron_rl.trainer.policy import gather_vocab_parallel
     from megatron_rl.trainer.weights import load_hf_weights
 
-    parallel.initialize(parallel.ParallelLayout(tp, 1), spec)
-    model = build_gpt_model(spec).eval()
+    layout = TrainerLayout(tp, 1, dtype_bytes=4)
+    parallel.initialize(layout, spec)
+    model = build_gpt_model(spec, layout).eval()
     reader = MegatronCheckpoint(source) if from_megatron else HFCheckpoint(source)
-    load_hf_weights(model, spec, reader.get_slice)
+    load_hf_weights(model, spec, layout, reader.get_slice)
     with torch.no_grad():
         logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
         logits = gather_vocab_parallel(logits)[..., : spec.vocab_size]
@@ -160,11 +162,11 @@ def test_bad_layout_and_existing_output_are_refused(tmp_path):
 
 
 def test_interrupted_export_leaves_nothing_that_looks_valid(tmp_path):
-    from megatron_rl.models import convert
+    from megatron_rl import conversion as convert
 
     hf_dir, meg = tmp_path / "hf", tmp_path / "meg"
     save_random_hf_model(LLAMA, hf_dir)
-    convert.hf_to_megatron(str(hf_dir), str(meg), 2, 1, progress=False)
+    convert.hf_to_megatron(str(hf_dir), str(meg), TrainerLayout(2, 1), progress=False)
     os.remove(meg / "mp_rank_01_000.safetensors")
     with pytest.raises(FileNotFoundError, match="mp_rank_01_000.safetensors"):
         convert.megatron_to_hf(str(meg), str(tmp_path / "out"), progress=False)

@@ -32,7 +32,7 @@ def _rows(tensor, base, dim=0):
 
 def test_megatron_qkv_is_interleaved_per_query_group():
     hf, base = _labeled(SPEC)
-    shards = L.megatron_shards(SPEC, L.MegatronLayout(2, 1), tp_rank=1, pp_rank=0)
+    shards = L.megatron_shards(SPEC, L.TrainerLayout(2, 1), tp_rank=1, pp_rank=0)
     qkv = L.assemble(shards["decoder.layers.0.self_attention.linear_qkv.weight"], L.slicer(hf))
     q, k, v = (base[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     # rank 1 holds query group 1: q heads 2-3 (rows 32..63), then k head 1, then v head 1 (rows 16..31)
@@ -55,7 +55,7 @@ def test_sglang_qkv_is_q_then_k_then_v_and_replicates_kv_heads():
 
 def test_gate_up_row_parallel_and_vocab_padding():
     hf, base = _labeled(SPEC)
-    meg = L.megatron_shards(SPEC, L.MegatronLayout(2, 2, make_vocab_size_divisible_by=48), 1, 1)
+    meg = L.megatron_shards(SPEC, L.TrainerLayout(2, 2, make_vocab_size_divisible_by=48), 1, 1)
     fc1 = L.assemble(meg["decoder.layers.0.mlp.linear_fc1.weight"], L.slicer(hf))  # global layer 1
     assert _rows(fc1[:64], base["model.layers.1.mlp.gate_proj.weight"]) == list(range(64, 128))
     assert _rows(fc1[64:], base["model.layers.1.mlp.up_proj.weight"]) == list(range(64, 128))
@@ -68,8 +68,8 @@ def test_gate_up_row_parallel_and_vocab_padding():
 
 
 def test_transformer_engine_spec_fuses_norms_into_linears():
-    local = L.megatron_shards(SPEC, L.MegatronLayout(1, 1), 0, 0)
-    te = L.megatron_shards(SPEC, L.MegatronLayout(1, 1, transformer_engine=True), 0, 0)
+    local = L.megatron_shards(SPEC, L.TrainerLayout(1, 1), 0, 0)
+    te = L.megatron_shards(SPEC, L.TrainerLayout(1, 1, transformer_impl="transformer_engine"), 0, 0)
     assert "decoder.layers.0.input_layernorm.weight" in local
     assert te["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"].segments == \
         local["decoder.layers.0.input_layernorm.weight"].segments
@@ -85,14 +85,14 @@ def test_split_and_scatter_invert_assemble_for_every_layout():
         rebuilt = {}
         for t in range(tp):
             for p in range(pp):
-                for shard in L.megatron_shards(SPEC, L.MegatronLayout(tp, pp), t, p).values():
+                for shard in L.megatron_shards(SPEC, L.TrainerLayout(tp, pp), t, p).values():
                     L.scatter(shard, L.assemble(shard, L.slicer(hf)), rebuilt, shapes)
         assert rebuilt.keys() == hf.keys()
         assert all(torch.equal(rebuilt[n], hf[n]) for n in hf)
 
 
 def test_layouts_the_generator_cannot_take_name_the_problem():
-    with pytest.raises(ValueError, match=r"generator TP=3 does not divide model 'tiny-qwen2': num_attention_heads 4"):
+    with pytest.raises(ValueError, match=r"generator TP=3 \(--rollout-tensor-parallel-size\) does not divide model 'tiny-qwen2': num_attention_heads 4"):
         L.sglang_shards(SPEC, 3, 0)
-    with pytest.raises(ValueError, match=r"trainer TP=4 does not divide model 'tiny-qwen2'.*num_key_value_heads 2"):
-        L.megatron_shards(SPEC, L.MegatronLayout(4, 1), 0, 0)
+    with pytest.raises(ValueError, match=r"trainer TP=4 \(--tensor-model-parallel-size\) does not divide model 'tiny-qwen2'.*num_key_value_heads 2"):
+        L.megatron_shards(SPEC, L.TrainerLayout(4, 1), 0, 0)

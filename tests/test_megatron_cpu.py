@@ -8,9 +8,9 @@ which moves results by ~1e-7; anything wrong with sharding moves them by > 1e-2)
 import pytest
 import torch
 
-from megatron_rl import parallel
 from megatron_rl.launch import run_on_ranks
-from megatron_rl.models.layout import MegatronLayout
+from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.trainer import parallel
 from megatron_rl.models.spec import get_model_spec
 
 SPEC = get_model_spec("tiny-llama")
@@ -22,7 +22,7 @@ def _batch():
     return torch.randint(0, SPEC.vocab_size, (BATCH, SEQ + 1), generator=g)
 
 
-def _layout_run(tp: int, pp: int, spec_name: str):
+def _layout_run(tp: int, pp: int, dp: int, spec_name: str):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -31,9 +31,10 @@ def _layout_run(tp: int, pp: int, spec_name: str):
     from megatron_rl.trainer.weights import load_hf_weights, random_hf_weights
 
     spec = get_model_spec(spec_name)
-    parallel.initialize(parallel.ParallelLayout(tp, pp), spec)
-    policy = build_policy(spec, lr=0.5, optimizer="sgd", clip_grad=0.0,
-                          init_weights=lambda m: load_hf_weights(m, spec, random_hf_weights(spec)))
+    layout = TrainerLayout(tp, pp, dp, dtype_bytes=4)
+    parallel.initialize(layout, spec)
+    policy = build_policy(spec, layout, lr=0.5, optimizer="sgd", clip_grad=0.0,
+                          init_weights=lambda m: load_hf_weights(m, spec, layout, random_hf_weights(spec)))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tokens = _batch()
     rows = tokens.chunk(dp)[dp_rank]
@@ -63,8 +64,8 @@ def _layout_run(tp: int, pp: int, spec_name: str):
 def _run(tp, pp, dp, spec_name="tiny-llama"):
     from megatron_rl.trainer.weights import merge_to_hf
 
-    results = run_on_ranks(_layout_run, tp * pp * dp, tp, pp, spec_name)
-    layout = MegatronLayout(tp, pp)
+    results = run_on_ranks(_layout_run, tp * pp * dp, tp, pp, dp, spec_name)
+    layout = TrainerLayout(tp, pp, dp)
     spec = get_model_spec(spec_name)
     weights = merge_to_hf(spec, layout, {(r["tp_rank"], r["pp_rank"]): r["params"]
                                          for r in results if r["dp_rank"] == 0})

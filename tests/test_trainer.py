@@ -10,9 +10,9 @@ differences of up to 2% of lr; with eps 1e-4 it is smooth in g, so layout-induce
 import pytest
 import torch
 
-from megatron_rl import parallel
 from megatron_rl.launch import run_on_ranks
-from megatron_rl.models.layout import MegatronLayout
+from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.trainer import parallel
 from megatron_rl.models.spec import get_model_spec
 
 SPEC = get_model_spec("tiny-llama").replace(name="tiny-llama-v200", vocab_size=200)  # vocab padding at TP=2
@@ -38,9 +38,13 @@ def _setup(tp, pp, lr=1e-3, seed_weights=0):
     from megatron_rl.trainer.train_step import AlgorithmConfig, PolicyTrainer
     from megatron_rl.trainer.weights import load_hf_weights, random_hf_weights
 
-    parallel.initialize(parallel.ParallelLayout(tp, pp), SPEC)
-    policy = build_policy(SPEC, lr=lr, clip_grad=1.0, adam_eps=1e-4,
-                          init_weights=lambda m: load_hf_weights(m, SPEC, random_hf_weights(SPEC, seed=seed_weights)))
+    import torch.distributed as dist
+
+    layout = TrainerLayout(tp, pp, dist.get_world_size() // (tp * pp), dtype_bytes=4)
+    parallel.initialize(layout, SPEC)
+    policy = build_policy(SPEC, layout, lr=lr, clip_grad=1.0, adam_eps=1e-4,
+                          init_weights=lambda m: load_hf_weights(m, SPEC, layout,
+                                                                 random_hf_weights(SPEC, seed=seed_weights)))
     return PolicyTrainer(policy, AlgorithmConfig(loss="aipo", rho=2.0, temperature=TEMPERATURE), micro_batch_size=1)
 
 
@@ -55,7 +59,7 @@ def _params(trainer):
 def _merge(results, tp, pp):
     from megatron_rl.trainer.weights import merge_to_hf
 
-    return merge_to_hf(SPEC, MegatronLayout(tp, pp), {(r["tp_rank"], r["pp_rank"]): r["params"]
+    return merge_to_hf(SPEC, TrainerLayout(tp, pp), {(r["tp_rank"], r["pp_rank"]): r["params"]
                                                        for r in results if r["dp_rank"] == 0})
 
 
@@ -234,8 +238,9 @@ def _refuse_rank(directory):
     from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
     from megatron_rl.trainer.policy import build_policy
 
-    parallel.initialize(parallel.ParallelLayout(1, 1), SPEC)
-    policy = build_policy(SPEC, use_distributed_optimizer=True)
+    layout = TrainerLayout(1, 1, dtype_bytes=4)
+    parallel.initialize(layout, SPEC)
+    policy = build_policy(SPEC, layout, use_distributed_optimizer=True)
     try:
         save_trainer_checkpoint(policy, directory)
     except ValueError as e:

@@ -22,17 +22,24 @@ def main(argv=None) -> int:
     p.add_argument("--megatron-format", choices=["safetensors", "torch_dist"], default="safetensors",
                    help="per-rank safetensors files (streamed), or Megatron-Core's distributed checkpoint")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="Megatron-Core layer spec whose parameter names the checkpoint uses")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int)
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int)
     p.add_argument("--overwrite", action="store_true", help="replace --save if it exists")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
-    from megatron_rl.models.convert import hf_to_megatron
+    from megatron_rl.conversion import hf_to_megatron
+    from megatron_rl.models.layout import TrainerLayout
 
     start = time.time()
     try:
-        meta = hf_to_megatron(args.hf_dir, args.save, args.target_tensor_parallel_size,
-                              args.target_pipeline_parallel_size, args.megatron_format,
-                              args.make_vocab_size_divisible_by, args.overwrite, not args.no_progress)
+        layout = TrainerLayout(args.target_tensor_parallel_size, args.target_pipeline_parallel_size, 1,
+                               args.make_vocab_size_divisible_by, args.transformer_impl,
+                               args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+        meta = hf_to_megatron(args.hf_dir, args.save, layout, args.megatron_format, args.overwrite,
+                              not args.no_progress)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
-    from megatron_rl.models.convert import megatron_to_hf
+    from megatron_rl.conversion import megatron_to_hf
 
     start = time.time()
     try:

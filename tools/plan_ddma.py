@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=8)
     args = p.parse_args(argv)
 
-    from megatron_rl.ddma.plan import GeneratorLayout, TrainerLayout, gather_broadcast_baseline, make_plan, summarize
-    from megatron_rl.models.layout import balanced_edge_stages
+    from megatron_rl.ddma.plan import gather_broadcast_baseline, make_plan, summarize
+    from megatron_rl.models.layout import GeneratorLayout, TrainerLayout, balanced_edge_stages
     from megatron_rl.models.spec import ModelSpec, get_model_spec
 
     try:
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     busiest_receiver = max(plan.runtime, key=plan.bytes_received)
     out.update(
         model=spec.name, trainer=trainer.describe(), generator=generator.describe(),
-        pipeline_stage_layers=trainer.megatron().stage_sizes(spec),
+        pipeline_stage_layers=trainer.stage_sizes(spec),
         quantized_on_sender=len(plan.quantized_tensors) > 0,
         busiest_sender_vs_mean=out["max_send_bytes"] / delivered_per_trainer_gpu,
         busiest_receiver_vs_own_shard=out["max_recv_bytes"] / plan.shard_bytes(busiest_receiver),

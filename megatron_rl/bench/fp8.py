@@ -39,7 +39,7 @@ def _time(fn, repeats: int) -> float:
 def run(quick: bool = False) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "needs CUDA"}
-    from megatron_rl.rollout.fp8 import FP8_MAX, dequantize_block_fp8, quantize_block_fp8
+    from megatron_rl.models.fp8 import FP8_MAX, dequantize_block_fp8, quantize_block_fp8
 
     repeats = 20 if quick else 100
     out = {"device": torch.cuda.get_device_name(), "shapes": f"{MODEL} linear layers at TP={TP}"}

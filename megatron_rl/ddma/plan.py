@@ -24,56 +24,9 @@ import functools
 from collections import defaultdict
 
 from megatron_rl.models import layout as L
+from megatron_rl.models.fp8 import BLOCK, is_fp8_weight
+from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import ModelSpec
-from megatron_rl.rollout.decoder import FP8_SUFFIXES
-from megatron_rl.rollout.fp8 import BLOCK
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerLayout:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    make_vocab_size_divisible_by: int = 128
-    transformer_engine: bool = False
-    dtype_bytes: int = 2  # bf16
-    decoder_first_pipeline_num_layers: int | None = None
-    decoder_last_pipeline_num_layers: int | None = None
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
-
-    def megatron(self) -> L.MegatronLayout:
-        return L.MegatronLayout(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                self.make_vocab_size_divisible_by, self.transformer_engine,
-                                self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
-
-    def rank(self, dp: int, pp: int, tp: int) -> int:
-        """Global rank in Megatron-Core's default order (tp fastest, then dp, then pp)."""
-        return (pp * self.data_parallel_size + dp) * self.tensor_parallel_size + tp
-
-    def describe(self) -> str:
-        return f"trainer TP={self.tensor_parallel_size} PP={self.pipeline_parallel_size} DP={self.data_parallel_size}"
-
-
-@dataclasses.dataclass(frozen=True)
-class GeneratorLayout:
-    tensor_parallel_size: int = 1
-    num_replicas: int = 1
-    fp8: bool = False
-    first_rank: int = 0  # global rank of replica 0, TP rank 0
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.num_replicas
-
-    def rank(self, replica: int, tp: int) -> int:
-        return self.first_rank + replica * self.tensor_parallel_size + tp
-
-    def describe(self) -> str:
-        return (f"generator TP={self.tensor_parallel_size} x {self.num_replicas} replicas"
-                f"{' FP8' if self.fp8 else ''}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +99,8 @@ def validate(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayout
         if diff:
             raise ValueError(f"generator model does not match the trainer's {both}: {'; '.join(diff)}")
     try:
-        trainer.megatron().validate(spec)
-        L.sglang_shards(spec, generator.tensor_parallel_size, 0)
+        trainer.validate(spec)
+        generator.validate(spec)
     except ValueError as e:
         raise ValueError(f"cannot plan DDMA {both}: {e}") from None
     if generator.first_rank < trainer.world_size and generator.first_rank + generator.world_size > 0:
@@ -158,10 +111,9 @@ def validate(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayout
 def _trainer_index(spec: ModelSpec, trainer: TrainerLayout):
     """hf_name -> [(hf_start, hf_stop, [(tp, pp, megatron_name, offset)...])]: who holds which rows."""
     ranges: dict[str, dict[tuple[int, int], list]] = defaultdict(dict)
-    meg = trainer.megatron()
     for pp in range(trainer.pipeline_parallel_size):
         for tp in range(trainer.tensor_parallel_size):
-            for name, shard in L.megatron_shards(spec, meg, tp, pp).items():
+            for name, shard in L.megatron_shards(spec, trainer, tp, pp).items():
                 if name == "output_layer.weight" and spec.tie_word_embeddings:
                     continue  # a copy of the embedding on the last stage: the first stage sends it
                 offset = 0
@@ -208,7 +160,7 @@ def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayou
                     tensor_rows.append((name, dst_offset + a - seg.start, b - a, shard.dim, row_numel, size, sources))
                     cursor = b
                 dst_offset += seg.length
-            if generator.fp8 and name.endswith(FP8_SUFFIXES) and \
+            if generator.fp8 and is_fp8_weight(name) and \
                     all(_aligned(r[1], r[2], r[5]) for r in tensor_rows) and row_numel % BLOCK == 0:
                 quantized.add(name)
             rows.extend(tensor_rows)

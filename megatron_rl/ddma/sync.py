@@ -20,7 +20,7 @@ import torch
 
 from megatron_rl.ddma.plan import Piece, Plan
 from megatron_rl.ddma.transport import TorchDistTransport, Transfer, Transport
-from megatron_rl.rollout.fp8 import BLOCK, quantize_block_fp8
+from megatron_rl.models.fp8 import BLOCK, SCALE_SUFFIX, quantize_block_fp8, scale_shape
 
 CHECKSUM_BYTES = 8
 
@@ -92,9 +92,8 @@ class _Receiver:
         self.tensors: dict[str, torch.Tensor] = {}
         for name, shard in plan.runtime[rank].items():
             if name in plan.quantized_tensors:
-                n, k = shard.shape
                 self.tensors[name] = torch.zeros(shard.shape, dtype=torch.float8_e4m3fn)
-                self.tensors[name + "_scale_inv"] = torch.zeros((-(-n // BLOCK), -(-k // BLOCK)), dtype=torch.float32)
+                self.tensors[name + SCALE_SUFFIX] = torch.zeros(scale_shape(shard.shape), dtype=torch.float32)
             else:
                 self.tensors[name] = torch.zeros(shard.shape, dtype=dtype)  # padding rows stay zero
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -111,7 +110,7 @@ class _Receiver:
         dim = p.dim if target.dim() > 1 else 0
         out = [self._target(target.narrow(dim, p.dst_offset, p.length))]
         if p.quantize:
-            scales = self.tensors[p.dst_tensor + "_scale_inv"]
+            scales = self.tensors[p.dst_tensor + SCALE_SUFFIX]
             out.append(self._target(scales.narrow(dim, p.dst_offset // BLOCK, -(-p.length // BLOCK))))
         return out
 

@@ -19,7 +19,8 @@ Layout facts encoded here (checked against Megatron-Core 0.16 and SGLang 0.5):
 - Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP; SGLang pads to a
   multiple of 64 and then splits evenly across TP ranks.
 - Megatron's local spec keeps norms as separate modules; the Transformer-Engine spec fuses them into the
-  following linear layer (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`).
+  following linear layer (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`): `TrainerLayout`'s
+  `transformer_impl` decides which names every consumer uses.
 """
 
 from __future__ import annotations
@@ -178,39 +179,74 @@ def _validate_tp(spec: ModelSpec, tp: int, who: str, allow_kv_replication: bool)
     elif kv % tp:
         problems.append(f"num_key_value_heads {kv}")
     if problems:
-        raise ValueError(f"{who} TP={tp} does not divide model {spec.name!r}: {', '.join(problems)}")
+        flag = "--tensor-model-parallel-size" if who == "trainer" else "--rollout-tensor-parallel-size"
+        raise ValueError(f"{who} TP={tp} ({flag}) does not divide model {spec.name!r}: {', '.join(problems)}")
 
 
-# ---- Megatron-Core ----------------------------------------------------------------------------------------------
+# ---- the two layouts of a run ------------------------------------------------------------------------------------
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")  # Megatron-LM's --transformer-impl
+
 
 @dataclasses.dataclass(frozen=True)
-class MegatronLayout:
-    """A Megatron-Core GPTModel layout: TP x PP, vocab padding, local or Transformer-Engine layer spec.
+class TrainerLayout:
+    """The trainer's Megatron-Core layout, built once per run and read by every consumer: process groups,
+    TransformerConfig, the layer spec, HF loading, the DDMA plan, checkpoints and --dry-run.
 
-    Layers split evenly over PP stages unless the first and/or last stage get their own count
-    (Megatron's --decoder-first/last-pipeline-num-layers), e.g. 126 layers over 16 stages as 7 + 14 x 8 + 7.
+    TP x PP x DP ranks; vocabulary padding; the layer spec (`local`, or `transformer_engine` whose linear layers
+    carry the norms before them); layers split evenly over PP stages unless the first and/or last stage get their
+    own count (Megatron's --decoder-first/last-pipeline-num-layers, e.g. 126 layers over 16 stages as
+    7 + 14 x 8 + 7); and the bytes per element of the trainer's weights (what DDMA sends).
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     make_vocab_size_divisible_by: int = 128
-    transformer_engine: bool = False
+    transformer_impl: str = "local"
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
+    dtype_bytes: int = 2
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        return self.model_parallel_size * self.data_parallel_size
+
+    @property
+    def transformer_engine(self) -> bool:
+        return self.transformer_impl == "transformer_engine"
+
+    def rank(self, dp: int, pp: int, tp: int) -> int:
+        """Global rank in Megatron-Core's default order (tp fastest, then dp, then pp)."""
+        return (pp * self.data_parallel_size + dp) * self.tensor_parallel_size + tp
+
+    def describe(self) -> str:
+        return f"trainer TP={self.tensor_parallel_size} PP={self.pipeline_parallel_size} DP={self.data_parallel_size}"
 
     def stage_sizes(self, spec: ModelSpec) -> list[int]:
+        """Decoder layers of each pipeline stage, Megatron-Core's rule: the stages without a count of their own
+        share the remaining layers evenly."""
         pp, first, last = self.pipeline_parallel_size, self.decoder_first_pipeline_num_layers, \
             self.decoder_last_pipeline_num_layers
+        flags = "".join(f" --decoder-{k}-pipeline-num-layers {v}" for k, v in (("first", first), ("last", last))
+                        if v is not None)
+        if pp == 1 and flags:
+            raise ValueError(f"{flags.strip()} need(s) --pipeline-model-parallel-size > 1")
         if pp == 1:
             return [spec.num_layers]
         fixed = [x for x in (first, last) if x is not None]
+        if any(x < 1 for x in fixed):
+            raise ValueError(f"{flags.strip()}: a pipeline stage needs at least one layer")
         middle_stages = pp - len(fixed)
         rest = spec.num_layers - sum(fixed)
-        if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and rest % middle_stages):
-            flags = "".join(f" --decoder-{k}-pipeline-num-layers {v}" for k, v in (("first", first), ("last", last))
-                            if v is not None)
-            raise ValueError(f"trainer PP={pp}{flags} does not divide model {spec.name!r} num_layers "
-                             f"{spec.num_layers} (set --decoder-first/last-pipeline-num-layers)")
+        if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and (rest < middle_stages or
+                                                                               rest % middle_stages)):
+            raise ValueError(f"--pipeline-model-parallel-size {pp}{flags} does not divide model {spec.name!r} "
+                             f"num_layers {spec.num_layers} (set --decoder-first/last-pipeline-num-layers)")
         per = rest // middle_stages if middle_stages else 0
         sizes = [per] * pp
         if first is not None:
@@ -226,8 +262,46 @@ class MegatronLayout:
         return range(start, start + sizes[pp_rank])
 
     def validate(self, spec: ModelSpec) -> None:
+        """Raise ValueError naming the flag and the numbers if this layout cannot hold the model."""
+        for flag, value in (("--tensor-model-parallel-size", self.tensor_parallel_size),
+                            ("--pipeline-model-parallel-size", self.pipeline_parallel_size),
+                            ("data-parallel size", self.data_parallel_size),
+                            ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"--transformer-impl {self.transformer_impl!r}: choose one of {TRANSFORMER_IMPLS}")
         _validate_tp(spec, self.tensor_parallel_size, "trainer", allow_kv_replication=False)
         self.stage_sizes(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorLayout:
+    """The generators' layout: `num_replicas` engines of TP `tensor_parallel_size` each (SGLang's runtime
+    layout), optionally block-FP8, on global ranks from `first_rank` on."""
+
+    tensor_parallel_size: int = 1
+    num_replicas: int = 1
+    fp8: bool = False
+    first_rank: int = 0  # global rank of replica 0, TP rank 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.num_replicas
+
+    def rank(self, replica: int, tp: int) -> int:
+        return self.first_rank + replica * self.tensor_parallel_size + tp
+
+    def describe(self) -> str:
+        return (f"generator TP={self.tensor_parallel_size} x {self.num_replicas} replicas"
+                f"{' FP8' if self.fp8 else ''}")
+
+    def validate(self, spec: ModelSpec) -> None:
+        for flag, value in (("--rollout-tensor-parallel-size", self.tensor_parallel_size),
+                            ("--rollout-num-replicas", self.num_replicas)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        sglang_shards(spec, self.tensor_parallel_size, 0)
 
 
 def balanced_edge_stages(num_layers: int, pipeline_parallel_size: int) -> tuple[int | None, int | None]:
@@ -243,7 +317,7 @@ def balanced_edge_stages(num_layers: int, pipeline_parallel_size: int) -> tuple[
     return rest - rest // 2, rest // 2
 
 
-def megatron_shards(spec: ModelSpec, layout: MegatronLayout, tp_rank: int, pp_rank: int) -> dict[str, ShardLayout]:
+def megatron_shards(spec: ModelSpec, layout: TrainerLayout, tp_rank: int, pp_rank: int) -> dict[str, ShardLayout]:
     """Every parameter of Megatron rank (tp_rank, pp_rank), by its local Megatron name."""
     layout.validate(spec)
     tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size

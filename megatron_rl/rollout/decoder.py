@@ -20,9 +20,7 @@ import torch.nn.functional as F
 
 from megatron_rl.models import layout as L
 from megatron_rl.models.spec import ModelSpec
-from megatron_rl.rollout.fp8 import dequantize_block_fp8, quantize_block_fp8
-
-FP8_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+from megatron_rl.models.fp8 import SCALE_SUFFIX, dequantize_block_fp8, is_fp8_weight, quantize_block_fp8, scale_shape
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -70,10 +68,9 @@ class TPDecoder:
         """Runtime tensor name -> (shape, kind) this rank accepts; kind "fp8"/"scale" in FP8 mode."""
         out = {}
         for name, lay in self.layouts.items():
-            if self.fp8 and name.endswith(FP8_SUFFIXES):
+            if self.fp8 and is_fp8_weight(name):
                 out[name] = (lay.shape, "fp8")
-                n, k = lay.shape
-                out[name + "_scale_inv"] = ((-(-n // 128), -(-k // 128)), "scale")
+                out[name + SCALE_SUFFIX] = (scale_shape(lay.shape), "scale")
             else:
                 out[name] = (lay.shape, "dense")
         return out
@@ -89,7 +86,7 @@ class TPDecoder:
             raise ValueError(f"generator TP rank {self.tp_rank}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {shape}")
         if kind == "fp8" and tensor.dtype != torch.float8_e4m3fn:
-            into[name], into[name + "_scale_inv"] = quantize_block_fp8(tensor)
+            into[name], into[name + SCALE_SUFFIX] = quantize_block_fp8(tensor)
         elif kind in ("fp8", "scale"):
             into[name] = tensor.clone() if copy else tensor
         else:
@@ -105,8 +102,8 @@ class TPDecoder:
                              f"{' ...' if len(missing) > 3 else ''}")
         compute = {}
         for name in self.layouts:
-            if self.fp8 and name.endswith(FP8_SUFFIXES):
-                compute[name] = dequantize_block_fp8(params[name], params[name + "_scale_inv"], dtype=self.dtype)
+            if self.fp8 and is_fp8_weight(name):
+                compute[name] = dequantize_block_fp8(params[name], params[name + SCALE_SUFFIX], dtype=self.dtype)
             else:
                 compute[name] = params[name]
         self.params, self._compute = params, compute

@@ -57,7 +57,7 @@ def write_model_dir(spec: ModelSpec, directory: str, eos_token_id: int | None = 
     if eos_token_id is not None:
         config["eos_token_id"] = eos_token_id
     if fp8:
-        from megatron_rl.rollout.fp8 import BLOCK
+        from megatron_rl.models.fp8 import BLOCK
 
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [BLOCK, BLOCK]}

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_rl.models.layout import TrainerLayout
 from megatron_rl.models.spec import ModelSpec
 from megatron_rl.trainer.model import build_gpt_model, transformer_config
 
@@ -22,6 +23,7 @@ from megatron_rl.trainer.model import build_gpt_model, transformer_config
 @dataclasses.dataclass
 class Policy:
     spec: ModelSpec
+    layout: TrainerLayout
     model: Any  # megatron DistributedDataParallel around GPTModel
     optimizer: Any  # megatron MegatronOptimizer
     config: Any  # TransformerConfig
@@ -34,6 +36,7 @@ class Policy:
 
 def build_policy(
     spec: ModelSpec,
+    layout: TrainerLayout,
     *,
     lr: float = 1e-5,
     min_lr: float = 0.0,
@@ -45,7 +48,6 @@ def build_policy(
     adam_eps: float = 1e-8,
     bf16: bool = False,
     use_distributed_optimizer: bool = False,
-    make_vocab_size_divisible_by: int = 128,
     init_weights: Callable[[torch.nn.Module], None] | None = None,
 ) -> Policy:
     """Build this rank's model shard, wrap it in Megatron DDP and create Megatron's optimizer.
@@ -57,8 +59,8 @@ def build_policy(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    config = transformer_config(spec, params_dtype=dtype)
-    module = build_gpt_model(spec, config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    config = transformer_config(spec, layout, params_dtype=dtype)
+    module = build_gpt_model(spec, layout, config)
     if init_weights is not None:
         init_weights(module)
     ddp_config = DistributedDataParallelConfig(
@@ -74,7 +76,7 @@ def build_policy(
     config.grad_scale_func = opt.scale_loss if bf16 else None
     config.finalize_model_grads_func = _finalize_model_grads
     config.no_sync_func = model.no_sync
-    return Policy(spec, model, opt, config)
+    return Policy(spec, layout, model, opt, config)
 
 
 def _finalize_model_grads(model, num_tokens=None, **kwargs):

@@ -10,37 +10,28 @@ from megatron_rl.models import layout as L
 from megatron_rl.models.spec import ModelSpec
 
 
-def rank_layout(spec: ModelSpec, make_vocab_size_divisible_by: int = 128,
-                transformer_engine: bool = False) -> dict[str, L.ShardLayout]:
-    """The layout of this rank's parameters, from Megatron's parallel state."""
+def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, layout: L.TrainerLayout,
+                    get_slice: Callable[[L.Segment, int], torch.Tensor] | Mapping[str, torch.Tensor]) -> None:
+    """Copy HF weights (a mapping, or a `get_slice` reader) into this rank's shard of `model`, whose TP and PP
+    ranks come from Megatron's parallel state."""
     from megatron.core import parallel_state as ps
 
-    layout = L.MegatronLayout(
-        ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-        make_vocab_size_divisible_by, transformer_engine,
-    )
-    return L.megatron_shards(spec, layout, ps.get_tensor_model_parallel_rank(),
-                             ps.get_pipeline_model_parallel_rank())
-
-
-def load_hf_weights(model: torch.nn.Module, spec: ModelSpec,
-                    get_slice: Callable[[L.Segment, int], torch.Tensor] | Mapping[str, torch.Tensor],
-                    **layout_kwargs) -> None:
-    """Copy HF weights (a mapping, or a `get_slice` reader) into this rank's shard of `model`."""
     if isinstance(get_slice, Mapping):
         get_slice = L.slicer(get_slice)
-    shards = rank_layout(spec, **layout_kwargs)
+    shards = L.megatron_shards(spec, layout, ps.get_tensor_model_parallel_rank(),
+                               ps.get_pipeline_model_parallel_rank())
     params = dict(model.named_parameters())
     unexpected = sorted(set(params) - set(shards))
     missing = sorted(set(shards) - set(params))
     if unexpected or missing:
-        raise ValueError(f"model parameters do not match the layout: unexpected {unexpected}, missing {missing}")
+        raise ValueError(f"model parameters do not match the layout ({layout.describe()}, --transformer-impl "
+                         f"{layout.transformer_impl}): unexpected {unexpected}, missing {missing}")
     with torch.no_grad():
         for name, shard in shards.items():
             params[name].copy_(L.assemble(shard, get_slice, dtype=params[name].dtype))
 
 
-def merge_to_hf(spec: ModelSpec, layout: L.MegatronLayout,
+def merge_to_hf(spec: ModelSpec, layout: L.TrainerLayout,
                 shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Full HF tensors from the parameters of every (tp_rank, pp_rank) of one model replica."""
     shapes = L.hf_shapes(spec)

@@ -1,7 +1,8 @@
-"""HF <-> Megatron checkpoint conversion, streamed tensor by tensor through `models.layout`.
+"""HF <-> Megatron checkpoint conversion, streamed tensor by tensor through `models.layout`; the engine of
+tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py.
 
-A Megatron checkpoint directory written here holds `megatron_rl.json` (the HF config, the layout and the
-format) and the weights in one of two formats:
+A Megatron checkpoint directory written here holds `megatron_rl.json` (the HF config, the trainer layout and
+the format) and the weights in one of two formats:
 
 - `safetensors` (default): one file per model-parallel rank, `mp_rank_{TP:02d}_{PP:03d}.safetensors`, with
   Megatron's local parameter names and fused layouts. Written and read one tensor at a time.
@@ -17,6 +18,7 @@ leaves a directory that looks valid.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -92,28 +94,29 @@ def validate_hf_checkpoint(spec: ModelSpec, ckpt: HFCheckpoint) -> torch.dtype:
 
 # ---- HF -> Megatron ---------------------------------------------------------------------------------------------
 
-def hf_to_megatron(hf_dir: str, save: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                   megatron_format: str = "safetensors", make_vocab_size_divisible_by: int = 128,
-                   overwrite: bool = False, progress: bool = True) -> dict:
+LAYOUT_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", "make_vocab_size_divisible_by", "transformer_impl",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+
+
+def hf_to_megatron(hf_dir: str, save: str, layout: L.TrainerLayout = L.TrainerLayout(),
+                   megatron_format: str = "safetensors", overwrite: bool = False, progress: bool = True) -> dict:
+    """Write `hf_dir` as a Megatron checkpoint of `layout` (its data-parallel size is ignored)."""
     if megatron_format not in FORMATS:
         raise ValueError(f"--megatron-format {megatron_format!r}: choose one of {FORMATS}")
     ckpt = HFCheckpoint(hf_dir)
     spec = ModelSpec.from_hf_config(ckpt.config, name=os.path.basename(os.path.normpath(hf_dir)))
-    layout = L.MegatronLayout(tensor_parallel_size, pipeline_parallel_size, make_vocab_size_divisible_by)
+    layout = dataclasses.replace(layout, data_parallel_size=1)
     layout.validate(spec)
     dtype = validate_hf_checkpoint(spec, ckpt)
-    meta = {
-        "format": megatron_format, "hf_config": ckpt.config, "dtype": str(dtype).removeprefix("torch."),
-        "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
-        "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "transformer_engine": False,
-    }
+    meta = {"format": megatron_format, "hf_config": ckpt.config, "dtype": str(dtype).removeprefix("torch."),
+            **{f: getattr(layout, f) for f in LAYOUT_FIELDS}}
     with atomic_directory(save, overwrite) as out:
         if megatron_format == "safetensors":
             _write_rank_files(spec, layout, ckpt.get_slice, dtype, out, progress)
         else:
             from megatron_rl.launch import run_on_ranks
 
-            run_on_ranks(_save_torch_dist_rank, tensor_parallel_size * pipeline_parallel_size, spec, layout,
+            run_on_ranks(_save_torch_dist_rank, layout.world_size, spec, layout,
                          hf_dir, os.path.join(out, "torch_dist"), dtype, timeout_s=3600)
         for name in auxiliary_files(hf_dir):
             shutil.copy2(os.path.join(hf_dir, name), os.path.join(out, name))
@@ -137,15 +140,13 @@ def _write_rank_files(spec, layout, get_slice, dtype, out, progress):
 def _save_torch_dist_rank(spec, layout, hf_dir, directory, dtype):
     from megatron.core import dist_checkpointing
 
-    from megatron_rl import parallel
+    from megatron_rl.trainer import parallel
     from megatron_rl.trainer.model import build_gpt_model, transformer_config
     from megatron_rl.trainer.weights import load_hf_weights
 
-    parallel.initialize(parallel.ParallelLayout(layout.tensor_parallel_size, layout.pipeline_parallel_size), spec)
-    model = build_gpt_model(spec, transformer_config(spec, params_dtype=dtype),
-                            make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by)
-    load_hf_weights(model, spec, HFCheckpoint(hf_dir).get_slice,
-                    make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by)
+    parallel.initialize(layout, spec)
+    model = build_gpt_model(spec, layout, transformer_config(spec, layout, params_dtype=dtype))
+    load_hf_weights(model, spec, layout, HFCheckpoint(hf_dir).get_slice)
     os.makedirs(directory, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), directory)
     parallel.destroy()
@@ -167,9 +168,7 @@ class MegatronCheckpoint:
                 raise ValueError(f"{meta_path}: field {field!r} is missing")
         self.directory = directory
         self.spec = ModelSpec.from_hf_config(self.meta["hf_config"])
-        self.layout = L.MegatronLayout(self.meta["tensor_parallel_size"], self.meta["pipeline_parallel_size"],
-                                       self.meta.get("make_vocab_size_divisible_by", 128),
-                                       self.meta.get("transformer_engine", False))
+        self.layout = L.TrainerLayout(**{f: self.meta[f] for f in LAYOUT_FIELDS if f in self.meta})
         self.dtype = getattr(torch, self.meta["dtype"])
         self._shards_dir = directory
         self._tmp: str | None = None
@@ -181,7 +180,7 @@ class MegatronCheckpoint:
         from megatron_rl.launch import run_on_ranks
 
         self._tmp = tempfile.mkdtemp(prefix="megatron_rl_export_")
-        run_on_ranks(_load_torch_dist_rank, self.layout.tensor_parallel_size * self.layout.pipeline_parallel_size,
+        run_on_ranks(_load_torch_dist_rank, self.layout.world_size,
                      self.spec, self.layout, os.path.join(self.directory, "torch_dist"), self._tmp, self.dtype,
                      timeout_s=3600)
         return self._tmp
@@ -251,12 +250,11 @@ def _load_torch_dist_rank(spec, layout, directory, out_dir, dtype):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from megatron_rl import parallel
+    from megatron_rl.trainer import parallel
     from megatron_rl.trainer.model import build_gpt_model, transformer_config
 
-    parallel.initialize(parallel.ParallelLayout(layout.tensor_parallel_size, layout.pipeline_parallel_size), spec)
-    model = build_gpt_model(spec, transformer_config(spec, params_dtype=dtype),
-                            make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by)
+    parallel.initialize(layout, spec)
+    model = build_gpt_model(spec, layout, transformer_config(spec, layout, params_dtype=dtype))
     state = dist_checkpointing.load(model.sharded_state_dict(), directory)
     model.load_state_dict(state, strict=False)
     params = dict(model.named_parameters())

@@ -1,8 +1,9 @@
 """Block-wise FP8 weights in SGLang's / DeepSeek's layout: `weight` as float8_e4m3fn and `weight_scale_inv`
 (fp32, one per 128 x 128 block; the factor that turns the FP8 values back into the weight).
 
-On a CPU the matmul dequantizes (there is no FP8 GEMM); the point here is the numerics and the layout that
-DDMA sends, not speed.
+The format belongs with the layout: which runtime parameters are served in FP8 (`FP8_SUFFIXES`), how their
+scales are shaped, and what a block-FP8 piece of a DDMA transfer weighs. On a CPU the matmul dequantizes
+(there is no FP8 GEMM); the point there is the numerics and the layout that DDMA sends, not speed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,18 @@ import torch
 
 BLOCK = 128
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+# SGLang runtime weights served in block FP8 (the linear layers; embeddings, norms and lm_head stay dense).
+FP8_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+SCALE_SUFFIX = "_scale_inv"
+
+
+def is_fp8_weight(runtime_name: str) -> bool:
+    return runtime_name.endswith(FP8_SUFFIXES)
+
+
+def scale_shape(shape: tuple[int, int], block: int = BLOCK) -> tuple[int, int]:
+    """Shape of the fp32 scale_inv of a block-FP8 weight of this shape."""
+    return -(-shape[0] // block), -(-shape[1] // block)
 
 
 def quantize_block_fp8(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
