@@ -1,12 +1,19 @@
 """Megatron-style command line: Megatron-LM's flag names and meanings where a Megatron flag exists, grouped
 like Megatron's, plus the RL groups (rollout, algorithm, reward, data, DDMA). Every SGLang server flag passes
-through as --sglang-<flag> (collected into `args.sglang`). Validation at start names flags and values."""
+through as --sglang-<flag> (collected into `args.sglang`). The choices of --loss, --advantage-estimator,
+--loss-aggregation, --rollout-backend and --reward-fn are the names in their registries. Validation at start
+names flags and values."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+
+from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, POLICY_LOSSES
+from megatron_rl.models.layout import TRANSFORMER_IMPLS
+from megatron_rl.rewards.registry import REWARD_FUNCTIONS
+from megatron_rl.rollout.backends import ENGINE_BACKENDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--num-query-groups", type=int)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
+                   help="Megatron-Core layer spec: Megatron's local modules, or Transformer Engine's (GPU; its fused "
+                        "norm-linear parameter names are used by HF loading, DDMA and checkpoints)")
     g.add_argument("--seq-length", type=int, default=64, help="max prompt + response tokens")
 
     g = p.add_argument_group("distributed")
@@ -41,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoder-first-pipeline-num-layers", type=int)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int)
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=30,
+                   help="timeout of the run's process groups (a collective waiting this long fails)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=16)
@@ -86,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write every consumed or discarded rollout's contract fields to rollouts.jsonl")
 
     g = p.add_argument_group("rollout")
-    g.add_argument("--rollout-backend", choices=["local", "sglang"], default="local",
+    g.add_argument("--rollout-backend", choices=sorted(ENGINE_BACKENDS), default="local",
                    help="local: the built-in engine; sglang: one SGLang server per replica (launched by the "
                         "replica's first generator rank, flags passed through as --sglang-<flag>)")
     g.add_argument("--rollout-server-urls", nargs="+", metavar="URL",
@@ -122,12 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "the next update (chunked partial rollouts against stragglers)")
 
     g = p.add_argument_group("algorithm")
-    g.add_argument("--loss", choices=["aipo", "aipo-clamp", "ppo"], default="aipo")
+    g.add_argument("--loss", choices=POLICY_LOSSES, default="aipo",
+                   help="aipo: the paper's one-sided clipped importance weight, held constant; aipo-clamp: clamp "
+                        "without the stop-gradient (zero gradient above rho); ppo: two-sided clipped surrogate")
     g.add_argument("--aipo-rho", type=float, default=4.0, help="one-sided importance weight clip (paper: 2-10)")
     g.add_argument("--ppo-clip-eps", type=float, default=0.2)
-    g.add_argument("--advantage-estimator", choices=["group-baseline", "grpo", "rloo"], default="group-baseline")
-    g.add_argument("--loss-aggregation", choices=["token-mean", "seq-mean-token-mean", "seq-sum-constant"],
-                   default="token-mean")
+    g.add_argument("--advantage-estimator", choices=sorted(ADVANTAGE_ESTIMATORS), default="group-baseline")
+    g.add_argument("--loss-aggregation", choices=sorted(AGGREGATIONS), default="token-mean")
     g.add_argument("--kl-coef", type=float, default=0.0)
     g.add_argument("--entropy-coef", type=float, default=0.0)
     g.add_argument("--async-mode", choices=["on", "off", "alternate"], default="on",
@@ -145,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on groups whose rewards are all equal (zero advantage) instead of dropping them")
 
     g = p.add_argument_group("reward")
-    g.add_argument("--reward-fn", default="math", help="registered name or module:function")
+    g.add_argument("--reward-fn", default="math",
+                   help=f"a registered name ({', '.join(sorted(REWARD_FUNCTIONS))}) or package.module:function")
     g.add_argument("--reward-num-workers", type=int, default=2)
     g.add_argument("--reward-timeout", type=int, default=5, help="seconds per verdict (whole seconds)")
     g.add_argument("--max-consecutive-reward-failures", type=int, default=256,

@@ -1,8 +1,8 @@
 """The rollout buffer: scored rollouts wait here, grouped per prompt, until the trainer consumes them.
 
-Every rollout carries the trajectory contract (shared/DESIGN.md): prompt id, sampled ids, the behavior
-log-prob of each token and its convention, the weight version of each token, loss mask, finish reason,
-reward and its status, and the times needed for age. A group (all samples of one prompt) is released to
+Every rollout carries the trajectory contract: prompt id, sampled ids, the behavior log-prob of each token and
+its convention, the weight version of each token, loss mask, finish reason, reward and its status, and the
+times needed for age. A group (all samples of one prompt) is released to
 the trainer whole; on release the gates of `megatron_rl.algorithms.gates` run, and every dropped sample
 keeps its reason:
 - stale: the oldest token version lags the trainer by more than `max_staleness` versions;
@@ -19,35 +19,39 @@ from collections import Counter, OrderedDict
 
 from megatron_rl.algorithms import lag_histogram
 from megatron_rl.algorithms.gates import failure_gate, version_gate
-from megatron_rl.rewards import INFRASTRUCTURE_FAILURES
+from megatron_rl.rewards.result import RewardResult
+from megatron_rl.rollout.types import RequestMeta, RolloutOutput
 
 
 @dataclasses.dataclass
 class Rollout:
-    prompt_id: str
-    sample_index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    logprob_convention: str
-    temperature: float
-    reference: str = ""
-    loss_mask: list[bool] | None = None  # None: every generated token is an action
-    reward: float | None = None
-    reward_status: str | None = None
-    num_retractions: int = 0
-    created_at: float = dataclasses.field(default_factory=time.time)
-    finished_at: float | None = None
+    """One scored sample: the engine's output, the request it answers, and its reward, composed (not copied)."""
+
+    output: RolloutOutput
+    meta: RequestMeta
+    reward: RewardResult
+    finished_at: float = dataclasses.field(default_factory=time.time)
+
+    @property
+    def prompt_id(self) -> str:
+        return self.meta.prompt_id
+
+    @property
+    def sample_index(self) -> int:
+        return self.meta.sample_index
 
     @property
     def oldest_version(self) -> int:
-        return min(self.versions) if self.versions else -1
+        return min(self.output.versions) if self.output.versions else -1
 
     @property
     def failed(self) -> bool:
-        return self.reward_status in INFRASTRUCTURE_FAILURES or self.finish_reason == "failure"
+        return self.reward.is_failure or self.output.finish_reason == "failure"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Rollout":
+        return cls(RolloutOutput(**d["output"]), RequestMeta(**d["meta"]), RewardResult(**d["reward"]),
+                   d["finished_at"])
 
 
 @dataclasses.dataclass
@@ -100,7 +104,7 @@ class RolloutBuffer:
         for prompt_id in [p for p, g in self._groups.items() if len(g) == self.group_size][:num_groups]:
             group = sorted(self._groups.pop(prompt_id), key=lambda r: r.sample_index)
             lags += [r.oldest_version for r in group]
-            rewards += [r.reward for r in group if not r.failed and r.reward is not None]
+            rewards += [r.reward.reward for r in group if not r.failed]
             gate = version_gate(trainer_version, [r.oldest_version for r in group], self.max_staleness) & \
                 failure_gate(["failure" if r.failed else "ok" for r in group], ("failure",))
             kept = [r for r, keep in zip(group, gate.keep.tolist()) if keep]
@@ -109,13 +113,13 @@ class RolloutBuffer:
             group_reason = None
             if len(kept) < 2:
                 group_reason = "group too small after gates"
-            elif drop_uniform and len({r.reward for r in kept}) == 1:
+            elif drop_uniform and len({r.reward.reward for r in kept}) == 1:
                 group_reason = "group rewards all equal"
             outcomes += [(r, group_reason) for r in kept]
             if group_reason:
                 discards[group_reason] += len(kept)
                 continue
-            ages += [now - r.created_at for r in kept]
+            ages += [now - r.meta.dispatched_at for r in kept]
             released.append(kept)
         self.discards.update(discards)
         popped = len(lags) // self.group_size
@@ -127,5 +131,5 @@ class RolloutBuffer:
                 "discards": dict(self.discards)}
 
     def load_state_dict(self, state: dict) -> None:
-        self._groups = OrderedDict((p, [Rollout(**r) for r in g]) for p, g in state["groups"].items())
+        self._groups = OrderedDict((p, [Rollout.from_dict(r) for r in g]) for p, g in state["groups"].items())
         self.discards = Counter(state["discards"])

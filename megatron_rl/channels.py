@@ -15,6 +15,10 @@ from typing import Any
 
 import torch
 
+# The run's two channels over the sync group: controller -> generators (requests, weight versions, stop) and
+# generators -> controller (finished rollouts, a group's together).
+TAG_CONTROL, TAG_ROLLOUTS = 11, 12
+
 
 class Channel:
     def __init__(self, group, tag: int, last_kind: str | None = None):

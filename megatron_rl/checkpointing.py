@@ -1,14 +1,16 @@
 """The RL checkpoint directory (Megatron's layout): `iter_NNNNNNN/` per saved step, holding the trainer's
 dist checkpoint, per-rank RNG states (`rng/rankNNNNN.pt`) and the controller's `rl_state.json`, and the tracker
 `latest_checkpointed_iteration.txt`, which moves last, so a crash at any point of a save leaves the previous
-checkpoint the latest. Also: the start-up check of a `--load` directory, and cutting the run's JSONL logs
-back to the resumed step."""
+checkpoint the latest. Also: the start-up check of a `--load` directory, cutting the run's JSONL logs back to
+the resumed step, and fault injection points for the crash tests (`MEGATRON_RL_FAILPOINT=name:step`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
+import signal
 
 import numpy as np
 import torch
@@ -16,6 +18,38 @@ import torch
 from megatron_rl.models.spec import ModelSpec
 
 TRACKER_FILE, RL_STATE_FILE = "latest_checkpointed_iteration.txt", "rl_state.json"
+FAILPOINT_ENV = "MEGATRON_RL_FAILPOINT"
+
+
+def failpoint(name: str, step: int) -> None:
+    """SIGKILL this process here when MEGATRON_RL_FAILPOINT is `name:step`: a crash at an exact point of the
+    run, for the reliability tests (a kill sent from outside lands wherever the run happens to be)."""
+    if os.environ.get(FAILPOINT_ENV) == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_rl_checkpoint(directory: str, step: int, trainer, rl_state: dict) -> None:
+    """The whole RL state of `step`: the trainer's (model, optimizer, schedule, RNG; every trainer rank writes
+    its part through `trainer.command("save")`) and the controller's `rl_state` (JSON). Written to
+    iter_N.partial, renamed when complete, and only then named by the tracker."""
+    final = iteration_dir(directory, step)
+    partial = final + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    trainer.command("save", (partial, {"step": step}))
+    write_durably(os.path.join(partial, RL_STATE_FILE), json.dumps({"step": step, **rl_state}))
+    failpoint("checkpoint-partial", step)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    publish_tracker(directory, step)
+    failpoint("checkpoint-saved", step)
+
+
+def load_rl_checkpoint(directory: str, trainer) -> dict:
+    """Restore the trainer's state of the latest checkpoint (checked at start-up) and return the controller's."""
+    step = latest_checkpoint_step(directory)
+    state = read_rl_state(directory, step)
+    trainer.command("load", iteration_dir(directory, step))
+    return state
 
 
 def iteration_dir(directory: str, step: int) -> str:

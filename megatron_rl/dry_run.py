@@ -1,5 +1,7 @@
-"""`--dry-run`: the whole plan of a launch without a single weight: the layout checked against the world
-size and the model, the rank map, memory per GPU for trainer and generators, and the DDMA estimate.
+"""`--dry-run`: the whole plan of a launch without a single weight: the same validation as a launch (the layouts
+against the world size and the model, Megatron-Core's TransformerConfig checks, the DDMA plan, a --load
+checkpoint), the rank map, memory per GPU for trainer and generators, and the DDMA estimate. It checks the
+launch, not this machine: Transformer Engine or GPUs need not be here.
 
 Memory per GPU (weights, gradients and optimizer state; activations and the KV cache depend on batch and
 sequence and are not included): the trainer rank with the most parameters (exact shards from the layout
@@ -12,20 +14,21 @@ linear weights (plus their scales) and 2 bytes for the rest.
 from __future__ import annotations
 
 import json
+import math
 
 from megatron_rl.ddma.plan import gather_broadcast_baseline, summarize
 from megatron_rl.models import layout as L
-from megatron_rl.rollout.decoder import FP8_SUFFIXES
+from megatron_rl.models.fp8 import is_fp8_weight, scale_shape
 
 GIB = 2**30
 
 
-def trainer_memory(spec, layout: L.MegatronLayout, dp: int, bf16: bool, distributed_optimizer: bool) -> dict:
+def trainer_memory(spec, layout: L.TrainerLayout, bf16: bool, distributed_optimizer: bool) -> dict:
     params = max(sum(s.numel for s in L.megatron_shards(spec, layout, 0, pp).values())
                  for pp in range(layout.pipeline_parallel_size))
     weights = params * (2 if bf16 else 4)
     grads = params * 4
-    optimizer = params * (12 if bf16 else 8) / (dp if distributed_optimizer else 1)
+    optimizer = params * (12 if bf16 else 8) / (layout.data_parallel_size if distributed_optimizer else 1)
     return {"params": params, "weights_gib": weights / GIB, "grads_gib": grads / GIB,
             "optimizer_gib": optimizer / GIB, "total_gib": (weights + grads + optimizer) / GIB}
 
@@ -33,59 +36,53 @@ def trainer_memory(spec, layout: L.MegatronLayout, dp: int, bf16: bool, distribu
 def generator_memory(spec, tp: int, fp8: bool) -> dict:
     shards = L.sglang_shards(spec, tp, 0)
     params = sum(s.numel for s in shards.values())
-    fp8_params = sum(s.numel for n, s in shards.items() if fp8 and n.endswith(FP8_SUFFIXES))
-    scales = sum(-(-s.shape[0] // 128) * -(-s.shape[1] // 128) for n, s in shards.items()
-                 if fp8 and n.endswith(FP8_SUFFIXES))
+    quantized = {n: s for n, s in shards.items() if fp8 and is_fp8_weight(n)}
+    fp8_params = sum(s.numel for s in quantized.values())
+    scales = sum(math.prod(scale_shape(s.shape)) for s in quantized.values())
     total = fp8_params + scales * 4 + (params - fp8_params) * 2
     return {"params": params, "weights_gib": total / GIB}
 
 
 def dry_run(args, world_size: int) -> dict:
+    """The launch's setup, validated exactly as a real launch validates it (`build_run_setup`), and its report."""
     import copy
     import os
 
-    from megatron_rl.checkpointing import check_checkpoint
-    from megatron_rl.controller import ddma_plan, model_spec, trainer_world_size
     from megatron_rl.data.tokenizer import build_char_tokenizer
     from megatron_rl.roles import Roles
+    from megatron_rl.run_setup import build_run_setup
 
     # No file is needed: the architecture comes from --load-hf's config.json if it is here, else from --model.
     args = copy.copy(args)
     if args.load_hf and not os.path.isfile(os.path.join(args.load_hf, "config.json")):
         args.load_hf = None
-    spec = model_spec(args, build_char_tokenizer())
-    if args.load:
-        check_checkpoint(args.load, spec)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    gtp, replicas = args.rollout_tensor_parallel_size, args.rollout_num_replicas
-    trainer_world = trainer_world_size(args, world_size)
-    dp = trainer_world // (tp * pp)
-    layout = L.MegatronLayout(tp, pp, args.make_vocab_size_divisible_by, False,
-                              args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
-    layout.validate(spec)
-    roles = Roles(0, world_size, trainer_world, gtp, replicas, None)
-    plan = ddma_plan(args, spec, roles)
+    setup = build_run_setup(args, world_size, tokenizer=build_char_tokenizer())
+    spec, trainer, generator = setup.spec, setup.trainer, setup.generator
+    plan = setup.plan()
     ddma = summarize(plan)
     ddma["baseline"] = gather_broadcast_baseline(plan)
+    roles = Roles(0, world_size, trainer.world_size, generator.tensor_parallel_size, generator.num_replicas, None)
+    gtp, replicas = generator.tensor_parallel_size, generator.num_replicas
     generator_ranks = [[roles.leader(r), roles.leader(r) + gtp - 1] for r in range(replicas)]
-    report = {
+    return {
         "model": spec.name, "parameters": spec.num_parameters(), "world_size": world_size,
         "rank_map": {
-            "trainer": {"ranks": [0, trainer_world - 1], "tensor_parallel": tp, "pipeline_parallel": pp,
-                        "data_parallel": dp, "pipeline_stage_layers": layout.stage_sizes(spec),
-                        "controller": 0},
-            "generators": {"replicas": replicas, "tensor_parallel": gtp, "fp8": args.rollout_fp8,
+            "trainer": {"ranks": [0, trainer.world_size - 1], "tensor_parallel": trainer.tensor_parallel_size,
+                        "pipeline_parallel": trainer.pipeline_parallel_size,
+                        "data_parallel": trainer.data_parallel_size,
+                        "pipeline_stage_layers": trainer.stage_sizes(spec),
+                        "transformer_impl": trainer.transformer_impl, "controller": 0},
+            "generators": {"replicas": replicas, "tensor_parallel": gtp, "fp8": generator.fp8,
                            "ranks": generator_ranks if replicas <= 8 else generator_ranks[:4] + ["..."]
                            + generator_ranks[-2:]},
             "reward": f"{args.reward_num_workers} worker processes beside trainer rank 0",
         },
         "memory_per_gpu": {
-            "trainer": trainer_memory(spec, layout, dp, args.bf16, args.use_distributed_optimizer),
-            "generator": generator_memory(spec, gtp, args.rollout_fp8),
+            "trainer": trainer_memory(spec, trainer, args.bf16, args.use_distributed_optimizer),
+            "generator": generator_memory(spec, gtp, generator.fp8),
         },
         "ddma": ddma,
     }
-    return report
 
 
 def main(args) -> int:

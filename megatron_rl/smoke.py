@@ -23,15 +23,20 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
 
-    from megatron_rl import parallel
+    from megatron_rl.models.layout import TrainerLayout
     from megatron_rl.models.spec import get_model_spec
+    from megatron_rl.trainer import parallel
     from megatron_rl.trainer.logprobs import mask_padded_vocab
     from megatron_rl.trainer.policy import build_policy, optimizer_step, run_microbatches
 
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     spec = get_model_spec("tiny-llama")
-    layout = parallel.ParallelLayout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     try:
+        if dist.get_world_size() % (tp * pp):
+            raise ValueError(f"world size {dist.get_world_size()} is not divisible by --tensor-model-parallel-size "
+                             f"{tp} x --pipeline-model-parallel-size {pp}")
+        layout = TrainerLayout(tp, pp, dist.get_world_size() // (tp * pp), dtype_bytes=4)
         parallel.initialize(layout, spec, seed=1234)
     except ValueError as e:
         if dist.get_rank() == 0:
@@ -41,7 +46,7 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    policy = build_policy(spec, lr=args.lr)
+    policy = build_policy(spec, layout, lr=args.lr)
     g = torch.Generator().manual_seed(ps.get_data_parallel_rank())
     first = last = None
     start = time.time()

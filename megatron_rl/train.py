@@ -18,13 +18,48 @@ def main(argv=None) -> int:
             from megatron_rl.dry_run import main as dry_run
 
             return dry_run(args)
-        from megatron_rl.controller import run
-
         run(args)
     except ValueError as e:  # configuration errors: one clear line, no stack trace
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def run(args) -> None:
+    """One rank of a launch: build the run setup, this rank's role and executor, and (on trainer rank 0) the
+    controller beside the trainer executor; then run until the controller says stop."""
+    import torch.distributed as dist
+
+    from megatron_rl.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
+    from megatron_rl.roles import init_roles
+    from megatron_rl.run_setup import build_run_setup
+
+    setup = build_run_setup(args, int(os.environ.get("WORLD_SIZE", "1")))
+    roles = init_roles(setup.trainer.world_size, setup.generator.tensor_parallel_size,
+                       setup.generator.num_replicas, timeout_minutes=args.distributed_timeout_minutes)
+    if not roles.is_trainer:
+        from megatron_rl.rollout.worker import GeneratorWorker
+
+        GeneratorWorker(setup, roles).run()
+    else:
+        from megatron_rl.trainer.executor import TrainerExecutor
+
+        trainer = TrainerExecutor(setup, roles)
+        if roles.is_controller:
+            from megatron_rl.controller import Controller
+
+            setup.tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
+            controller = Controller(setup, trainer, Channel(roles.sync_group, TAG_CONTROL),
+                                    Channel(roles.sync_group, TAG_ROLLOUTS),
+                                    [roles.leader(r) for r in range(setup.generator.num_replicas)])
+            try:
+                controller.run()
+                controller.shutdown()
+            finally:
+                trainer.stop()
+        else:
+            trainer.serve()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # the guard matters: the dist-checkpoint writer re-imports __main__

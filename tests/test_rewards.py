@@ -2,12 +2,11 @@
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 
-from megatron_rl.rewards import MathScorer, RewardResult, combine, extract_answer, format_reward, load_reward_fn
+from megatron_rl.rewards import MathScorer, RewardResult, combine, extract_answer, format_reward, build_reward_fn
 from megatron_rl.rewards.pool import WorkerPool
 
 TIMEOUT = 2
@@ -42,46 +41,47 @@ def scorer():
 
 
 def test_answer_pairs_across_categories(scorer):
-    results = scorer.score([p[0] for p in PAIRS], [p[1] for p in PAIRS])
+    results = scorer([p[0] for p in PAIRS], [p[1] for p in PAIRS])
     for (response, reference, expected), result in zip(PAIRS, results):
         assert result.status == "scored", (response, reference, result)
         assert result.reward == expected, (response, reference, result)
 
 
 def test_malformed_and_empty_outputs_are_wrong_format(scorer):
-    for result in scorer.score([p[0] for p in BAD_FORMAT], [p[1] for p in BAD_FORMAT]):
+    for result in scorer([p[0] for p in BAD_FORMAT], [p[1] for p in BAD_FORMAT]):
         assert result == RewardResult(0.0, "wrong-format", None, result.detail) and result.reward == 0.0
 
 
 @pytest.mark.parametrize("response,reference", PATHOLOGICAL, ids=["9^9^9^9", "2^2^40", "plain-power-tower"])
 def test_pathological_answers_return_within_timeout_plus_one_second(scorer, response, reference):
     start = time.monotonic()
-    (result,) = scorer.score([response], [reference])
+    (result,) = scorer([response], [reference])
     assert time.monotonic() - start < TIMEOUT + 1
     assert result.reward == 0.0 and result.status in ("scored", "timeout")
     # the pool still serves after a timed-out (killed) worker
-    assert scorer.score(["\\boxed{2}"], ["2"])[0].reward == 1.0
+    assert scorer(["\\boxed{2}"], ["2"])[0].reward == 1.0
 
 
-def test_killed_worker_gives_scorer_failure_and_pool_keeps_serving(scorer):
-    busy = "\\boxed{2^{2^{40}}}"  # keeps a worker busy long enough to be killed from outside
-    killed = []
+def _verdict_or_die(response, reference, timeout_s):
+    """The real verdict, except that the worker process dies (SIGKILL) on the response \\boxed{die}."""
+    from megatron_rl.rewards.math import verdict
 
-    def kill_busy_worker():
-        time.sleep(0.5)
-        for w in scorer.pool._workers:
-            if w.task is not None and w.task[0] == 0:
-                os.kill(w.process.pid, signal.SIGKILL)
-                killed.append(w.process.pid)
+    if response == "\\boxed{die}":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return verdict(response, reference, timeout_s)
 
-    thread = threading.Thread(target=kill_busy_worker)
-    thread.start()
-    results = scorer.score([busy, "\\boxed{1}", "\\boxed{3}"], ["1", "1", "3"])
-    thread.join()
-    assert killed
+
+def test_killed_worker_gives_scorer_failure_and_pool_keeps_serving(scorer, monkeypatch):
+    import megatron_rl.rewards.math as math_module
+
+    monkeypatch.setattr(math_module, "verdict", _verdict_or_die)  # the workers run what the scorer sends them
+    replaced = scorer.pool.replaced_workers
+    results = scorer(["\\boxed{die}", "\\boxed{1/2}", "\\boxed{\\frac{3}{1}}"], ["1", "0.5", "3"])
+    assert scorer.pool.replaced_workers == replaced + 1
     assert results[0].status == "scorer-failure" and results[0].is_failure and "crashed" in results[0].detail
     assert [r.reward for r in results[1:]] == [1.0, 1.0]
-    assert scorer.score(["\\boxed{5}"], ["5"])[0].reward == 1.0
+    monkeypatch.undo()
+    assert scorer(["\\boxed{0.5}"], ["1/2"])[0].reward == 1.0
 
 
 def _die_on_three(x):
@@ -104,11 +104,11 @@ def test_pool_reports_crashes_and_errors_per_item():
 
 def test_timeout_must_be_whole_seconds(scorer):
     with pytest.raises(ValueError, match="timeout_s must be a whole number of seconds"):
-        scorer.score(["\\boxed{1}"], ["1"], timeout_s=1.5)
+        scorer(["\\boxed{1}"], ["1"], timeout_s=1.5)
 
 
 def test_unparseable_reference_is_an_infrastructure_failure_not_a_zero(scorer):
-    (result,) = scorer.score(["\\boxed{1}"], [""])
+    (result,) = scorer(["\\boxed{1}"], [""])
     assert result.status == "scorer-failure" and result.is_failure
 
 
@@ -133,14 +133,16 @@ def test_rule_terms_compose_and_never_hide_failures():
 
 
 def test_reward_fn_registry_and_user_functions():
-    assert load_reward_fn("math") is load_reward_fn("math")
-    assert load_reward_fn("megatron_rl.rewards.rules:format_reward") is format_reward
+    math = build_reward_fn("math", num_workers=1)
+    assert isinstance(math, MathScorer) and [r.reward for r in math(["\\boxed{1/2}"], ["0.5"])] == [1.0]
+    math.close()
+    assert build_reward_fn("megatron_rl.rewards.rules:format_reward") is format_reward
     with pytest.raises(ValueError, match="--reward-fn 'nope'"):
-        load_reward_fn("nope")
+        build_reward_fn("nope")
     with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
-        load_reward_fn("no_such_module:fn")
+        build_reward_fn("no_such_module:fn")
     with pytest.raises(ValueError, match="has no callable 'missing'"):
-        load_reward_fn("megatron_rl.rewards:missing")
+        build_reward_fn("megatron_rl.rewards:missing")
 
 
 INTEGER_PAIRS = [("The answer is 42.", "42"), ("\\boxed{007}", "7"), ("\\boxed{-0}", "0"), ("so 12", "012"),

@@ -20,7 +20,7 @@ TEMPERATURE = 0.7
 
 
 def _batch(positive_only=False):
-    from megatron_rl.trainer.train_step import TrainBatch
+    from megatron_rl.trainer.batch import TrainBatch
 
     g = torch.Generator().manual_seed(7)
     lengths = [(3, 6), (5, 2), (2, 9), (4, 4)]  # (prompt, response): different total lengths
@@ -35,7 +35,8 @@ def _batch(positive_only=False):
 
 def _setup(tp, pp, lr=1e-3, seed_weights=0):
     from megatron_rl.trainer.policy import build_policy
-    from megatron_rl.trainer.train_step import AlgorithmConfig, PolicyTrainer
+    from megatron_rl.algorithms import AlgorithmConfig
+    from megatron_rl.trainer.train_step import PolicyTrainer
     from megatron_rl.trainer.weights import load_hf_weights, random_hf_weights
 
     import torch.distributed as dist

@@ -17,7 +17,8 @@ GREEDY = dict(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 def _trainer_tp2_to_sglang_tp2(model_dir, log_dir):
     import torch.distributed as dist
 
-    from megatron_rl.ddma.plan import GeneratorLayout, TrainerLayout, make_plan
+    from megatron_rl.ddma.plan import make_plan
+    from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
     from megatron_rl.models import layout as L
@@ -33,7 +34,7 @@ def _trainer_tp2_to_sglang_tp2(model_dir, log_dir):
     if rank < 2:
         reader = HFCheckpoint(model_dir)
         tensors = {n: L.assemble(s, reader.get_slice)
-                   for n, s in L.megatron_shards(SPEC, trainer.megatron(), rank, 0).items()}
+                   for n, s in L.megatron_shards(SPEC, trainer, rank, 0).items()}
         dist.barrier()  # the generators' server is up
         stats = publish(plan, rank, version=1, trainer_tensors=tensors, transport=TorchDistTransport())
     else:

@@ -1,6 +1,6 @@
 """Advantage estimators over groups of responses to the same prompt (critic-free).
 
-`rewards` [N] and `group_ids` [N] (any integer labels; members of a group need not be adjacent).
+The registry `ADVANTAGE_ESTIMATORS` is behind --advantage-estimator. `rewards` [N] and `group_ids` [N] (any integer labels; members of a group need not be adjacent).
 - group baseline (AIPO paper): A = r - mean(group rewards);
 - GRPO: (r - mean) / (std + eps), std the unbiased sample std of the group (as in GRPO implementations);
 - RLOO: A = r - mean of the OTHER members = n / (n - 1) * (r - mean); 0 for a group of one.
@@ -11,9 +11,6 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.algorithms import checks
-
-ESTIMATORS = ("group-baseline", "grpo", "rloo")
-
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor):
     checks.float_tensor("rewards", rewards)
@@ -50,11 +47,11 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return scale * (rewards - mean[index])
 
 
+ADVANTAGE_ESTIMATORS = {"group-baseline": group_baseline, "grpo": grpo, "rloo": rloo}  # --advantage-estimator
+
+
 def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str = "group-baseline"):
-    if estimator == "group-baseline":
-        return group_baseline(rewards, group_ids)
-    if estimator == "grpo":
-        return grpo(rewards, group_ids)
-    if estimator == "rloo":
-        return rloo(rewards, group_ids)
-    raise ValueError(f"--advantage-estimator {estimator!r} is unknown; choose one of {ESTIMATORS}")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"--advantage-estimator {estimator!r} is unknown; choose one of "
+                         f"{sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[estimator](rewards, group_ids)

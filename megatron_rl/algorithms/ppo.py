@@ -1,4 +1,4 @@
-"""PPO/GRPO double-sided clipped surrogate, KL penalty to a reference policy, and the entropy term.
+"""PPO/GRPO double-sided clipped surrogate, and the KL penalty to a reference policy.
 
 Kept beside AIPO for the comparison of the LlamaRL appendix: PPO clips the ratio to [1 - eps, 1 + eps_high]
 conditioned on the sign of the advantage (taking the pessimistic of the two surrogates), so tokens outside
@@ -60,11 +60,3 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, loss_mask: to
     if estimator == "k3":
         return torch.exp(delta) - delta - 1
     raise ValueError(f"estimator {estimator!r} is unknown; choose one of {KL_ESTIMATORS}")
-
-
-def entropy_bonus(entropy: torch.Tensor, loss_mask: torch.Tensor, aggregation: str = "token-mean",
-                  normalizer: float | None = None) -> torch.Tensor:
-    """The aggregated entropy; subtract `coef * entropy_bonus(...)` from the loss to encourage exploration."""
-    checks.bool_mask("loss_mask", loss_mask)
-    checks.same_shape("entropy", entropy, loss_mask=loss_mask)
-    return aggregate(entropy, loss_mask, aggregation, normalizer)

@@ -25,10 +25,11 @@ def _spec(quick: bool):
 def _rank_main(quick: bool, repeats: int):
     import torch.distributed as dist
 
-    from megatron_rl.ddma.plan import GeneratorLayout, TrainerLayout, make_plan
+    from megatron_rl.ddma.plan import make_plan
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
     from megatron_rl.models import layout as L
+    from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
     from megatron_rl.rollout.decoder import TPDecoder
     from megatron_rl.rollout.engine import LocalEngine
     from megatron_rl.trainer.weights import merge_to_hf
@@ -42,7 +43,7 @@ def _rank_main(quick: bool, repeats: int):
     g = torch.Generator().manual_seed(rank)
     tensors = {}
     if rank < half:  # random bf16 shards (content does not matter for timing; shapes do)
-        for name, shard in L.megatron_shards(spec, trainer.megatron(), rank, 0).items():
+        for name, shard in L.megatron_shards(spec, trainer, rank, 0).items():
             tensors[name] = torch.randn(shard.shape, generator=g).to(torch.bfloat16)
     engine = LocalEngine(TPDecoder(spec, half, rank - half, None, dtype=torch.bfloat16, max_slots=2, max_seq_len=8)) \
         if rank >= half else None
@@ -69,7 +70,7 @@ def _rank_main(quick: bool, repeats: int):
                         dist.recv(buf, src)
                         received += buf.numel() * 2
                         shards[(src, 0)][n] = buf
-                full = merge_to_hf(spec, trainer.megatron(), shards)
+                full = merge_to_hf(spec, trainer, shards)
             else:
                 for n in names:
                     dist.send(tensors[n].contiguous(), 0)

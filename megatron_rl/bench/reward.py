@@ -25,15 +25,15 @@ def run(quick: bool = False, num_workers: int = 2) -> dict:
     scorer = MathScorer(num_workers=num_workers, timeout_s=5)
     try:
         warm = ["\\boxed{\\frac{1}{2}}"], ["0.5"]  # a pair that needs a worker (integers are decided without one)
-        scorer.score(warm[0] * num_workers * 2, warm[1] * num_workers * 2)  # workers up and warm
+        scorer(warm[0] * num_workers * 2, warm[1] * num_workers * 2)  # workers up and warm
         start = time.perf_counter()
-        results = scorer.score([p[0] for p in pairs], [p[1] for p in pairs])
+        results = scorer([p[0] for p in pairs], [p[1] for p in pairs])
         elapsed = time.perf_counter() - start
         single = MathScorer(num_workers=1, timeout_s=5)
         try:
-            single.score(warm[0] * 2, warm[1] * 2)
+            single(warm[0] * 2, warm[1] * 2)
             start = time.perf_counter()
-            single.score([p[0] for p in pairs], [p[1] for p in pairs])
+            single([p[0] for p in pairs], [p[1] for p in pairs])
             single_elapsed = time.perf_counter() - start
         finally:
             single.close()

@@ -17,13 +17,17 @@ def _spec(quick: bool):
 
 
 def _rank(tp: int, quick: bool, steps: int):
-    from megatron_rl import parallel
+    from megatron_rl.algorithms import AlgorithmConfig
+    from megatron_rl.models.layout import TrainerLayout
+    from megatron_rl.trainer import parallel
+    from megatron_rl.trainer.batch import TrainBatch
     from megatron_rl.trainer.policy import build_policy
-    from megatron_rl.trainer.train_step import AlgorithmConfig, PolicyTrainer, TrainBatch
+    from megatron_rl.trainer.train_step import PolicyTrainer
 
     spec = _spec(quick)
-    parallel.initialize(parallel.ParallelLayout(tp, 1), spec)
-    trainer = PolicyTrainer(build_policy(spec, lr=1e-4), AlgorithmConfig(), micro_batch_size=8)
+    layout = TrainerLayout(tp, 1, dtype_bytes=4)
+    parallel.initialize(layout, spec)
+    trainer = PolicyTrainer(build_policy(spec, layout, lr=1e-4), AlgorithmConfig(), micro_batch_size=8)
     g = torch.Generator().manual_seed(0)
     n, prompt, response = 32, 32, 96
     batch = TrainBatch.from_sequences(torch.randint(0, spec.vocab_size, (n, prompt), generator=g).tolist(),

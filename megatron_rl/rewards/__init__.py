@@ -1,11 +1,12 @@
-"""Rewards: sympy-based math equivalence in crash- and hang-proof worker processes, and rule terms."""
+"""Rewards: sympy-based math equivalence in crash- and hang-proof worker processes, rule terms, and the
+registry behind --reward-fn."""
 
-from megatron_rl.rewards.math import (
-    INFRASTRUCTURE_FAILURES, STATUSES, MathScorer, RewardResult, extract_answer, score_math, verdict,
-)
-from megatron_rl.rewards.rules import REGISTRY, combine, format_reward, length_penalty, load_reward_fn
+from megatron_rl.rewards.math import MathScorer, extract_answer, verdict
+from megatron_rl.rewards.registry import REWARD_FUNCTIONS, build_reward_fn
+from megatron_rl.rewards.result import INFRASTRUCTURE_FAILURES, STATUSES, RewardResult
+from megatron_rl.rewards.rules import combine, format_reward
 
 __all__ = [
-    "INFRASTRUCTURE_FAILURES", "MathScorer", "REGISTRY", "RewardResult", "STATUSES", "combine", "extract_answer",
-    "format_reward", "length_penalty", "load_reward_fn", "score_math", "verdict",
+    "INFRASTRUCTURE_FAILURES", "MathScorer", "REWARD_FUNCTIONS", "RewardResult", "STATUSES", "build_reward_fn",
+    "combine", "extract_answer", "format_reward", "verdict",
 ]

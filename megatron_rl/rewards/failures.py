@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from megatron_rl.rewards.math import RewardResult
+from megatron_rl.rewards.result import RewardResult
 
 
 class RewardFailures:

@@ -5,39 +5,21 @@ text after the last "####", the text after the last "answer is", and the last nu
 underneath) then compares it with the reference: fractions vs decimals, sets, intervals, radicals, pi,
 equivalent algebraic forms.
 
-Statuses: "scored" (reward 1.0 or 0.0), "wrong-format" (no final answer could be extracted or parsed:
-reward 0.0, the policy's fault), "timeout" and "scorer-failure" (infrastructure: excluded from training,
-never a reward). Verdicts run in worker processes, each under a whole-second SIGALRM (math-verify's own
+Statuses (`rewards.result`): "scored" (reward 1.0 or 0.0), "wrong-format" (no final answer could be extracted
+or parsed: reward 0.0, the policy's fault), "timeout" and "scorer-failure" (infrastructure: excluded from
+training, never a reward). Verdicts run in worker processes, each under a whole-second SIGALRM (math-verify's own
 timeouts are signal-based too and silently return False on a float timeout), and the pool kills any worker
 that overruns its deadline by 0.5 s, which catches C-level work that no signal interrupts (9^9^9^9).
 """
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import re
 import signal
 import threading
 
 from megatron_rl.rewards.pool import WorkerPool
-
-STATUSES = ("scored", "wrong-format", "timeout", "scorer-failure")
-INFRASTRUCTURE_FAILURES = ("timeout", "scorer-failure")
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardResult:
-    reward: float
-    status: str
-    extracted: str | None = None
-    detail: str = ""
-
-    @property
-    def is_failure(self) -> bool:
-        """True when the reward could not be computed: the sample must be excluded, not trained on."""
-        return self.status in INFRASTRUCTURE_FAILURES
-
+from megatron_rl.rewards.result import RewardResult
 
 # ---- extraction --------------------------------------------------------------------------------------------------
 
@@ -156,7 +138,7 @@ class MathScorer:
         self.timeout_s = _whole_seconds(timeout_s)
         self.pool = WorkerPool(num_workers, warmup=_warmup)
 
-    def score(self, responses: list[str], references: list[str], timeout_s: int | None = None) -> list[RewardResult]:
+    def __call__(self, responses: list[str], references: list[str], timeout_s: int | None = None) -> list[RewardResult]:
         if len(responses) != len(references):
             raise ValueError(f"responses has {len(responses)} items, references has {len(references)}")
         timeout = self.timeout_s if timeout_s is None else _whole_seconds(timeout_s)
@@ -182,15 +164,3 @@ def _whole_seconds(timeout_s) -> int:
             or timeout_s < 1:
         raise ValueError(f"timeout_s must be a whole number of seconds >= 1 (SIGALRM), got {timeout_s!r}")
     return int(timeout_s)
-
-
-_default: MathScorer | None = None
-
-
-def score_math(responses: list[str], references: list[str], timeout_s: int = 5) -> list[RewardResult]:
-    """Score each response against its reference; one `RewardResult` per pair (2 worker processes)."""
-    global _default
-    if _default is None:
-        _default = MathScorer(num_workers=2, timeout_s=timeout_s)
-        atexit.register(_default.close)
-    return _default.score(responses, references, timeout_s)

@@ -1,4 +1,5 @@
-"""Request and response types shared by every rollout engine (the built-in one and the SGLang adapter)."""
+"""Request and response types shared by every rollout engine (the built-in one and the SGLang adapter), and the
+request metadata that travels with each request."""
 
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestMeta:
+    """What the controller knows of a request it dispatched, carried with it to the generator and back."""
+
+    prompt_id: str
+    sample_index: int
+    reference: str  # the answer the reward function compares with
+    is_eval: bool
+    dispatched_at: float  # wall time
+
+    @property
+    def group(self) -> tuple[bool, str]:
+        """The samples of one prompt form a group (eval and RL dispatches of a prompt never mix)."""
+        return self.is_eval, self.prompt_id
+
+
 @dataclasses.dataclass
 class RolloutOutput:
     """One finished (or aborted) request: the trajectory contract's generator-side fields."""
@@ -48,6 +65,7 @@ class RolloutOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     num_retractions: int = 0
     logprob_convention: str = LOGPROB_CONVENTION
+    loss_mask: list[bool] | None = None  # per generated token; None: every token is a policy action
 
     @property
     def version_spans(self) -> list[dict]:

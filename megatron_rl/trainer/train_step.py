@@ -10,131 +10,33 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl import algorithms
+from megatron_rl.algorithms import AlgorithmConfig
+from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
 from megatron_rl.trainer.policy import Policy, optimizer_step, run_microbatches
-
-LOSSES = ("aipo", "aipo-clamp", "ppo", "sft")
-
-
-def _ragged_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) of every element of ragged rows of these lengths, each row starting at column 0."""
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    return rows, torch.arange(int(lengths.sum())) - starts[rows]
-
-
-@dataclasses.dataclass
-class TrainBatch:
-    """Rollouts as padded tensors. Position t of the [N, L-1] tensors is the prediction of tokens[:, t+1]."""
-
-    tokens: torch.Tensor  # [N, L] long: prompt + response, right-padded
-    loss_mask: torch.Tensor  # [N, L-1] bool: True where tokens[:, t+1] is a policy action to train on
-    behavior_logprobs: torch.Tensor  # [N, L-1] float: mu's log-prob of tokens[:, t+1] (0 where masked)
-    advantages: torch.Tensor  # [N] float
-    ref_logprobs: torch.Tensor | None = None  # [N, L-1] for the KL penalty
-
-    @classmethod
-    def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                       behavior_logprobs: Sequence[Sequence[float]], advantages: Sequence[float],
-                       response_masks: Sequence[Sequence[bool]] | None = None, pad_id: int = 0,
-                       pad_to_multiple_of: int = 1) -> "TrainBatch":
-        """Pack prompt/response pairs. `response_masks[i][j]` False excludes response token j (observation
-        tokens of a tool call, say) from the loss."""
-        n = len(prompts)
-        for name, seq in (("responses", responses), ("behavior_logprobs", behavior_logprobs),
-                          ("advantages", advantages)):
-            if len(seq) != n:
-                raise ValueError(f"{name} has {len(seq)} entries, prompts has {n}")
-        for i, (p, r, lp) in enumerate(zip(prompts, responses, behavior_logprobs)):
-            if len(lp) != len(r):
-                raise ValueError(f"behavior_logprobs[{i}] has {len(lp)} values for {len(r)} response tokens")
-            if not p:
-                raise ValueError(f"prompts[{i}] is empty: the first response token needs a context")
-            if response_masks is not None and len(response_masks[i]) != len(r):
-                raise ValueError(f"response_masks[{i}] has {len(response_masks[i])} values for {len(r)} "
-                                 "response tokens")
-        # One scatter per tensor, not three small copies per row: this runs on the controller's critical path.
-        prompt_len = torch.tensor([len(p) for p in prompts])
-        response_len = torch.tensor([len(r) for r in responses])
-        length = int((prompt_len + response_len).max())
-        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
-        seq_rows, seq_cols = _ragged_index(prompt_len + response_len)
-        resp_rows, resp_cols = _ragged_index(response_len)
-        resp_cols += (prompt_len - 1)[resp_rows]  # position t predicts token t + 1
-        tokens = torch.full((n, length), pad_id, dtype=torch.long)
-        tokens[seq_rows, seq_cols] = torch.tensor([t for p, r in zip(prompts, responses) for t in (*p, *r)],
-                                                  dtype=torch.long)
-        mask = torch.zeros((n, length - 1), dtype=torch.bool)
-        mask[resp_rows, resp_cols] = True if response_masks is None else \
-            torch.tensor([m for ms in response_masks for m in ms], dtype=torch.bool)
-        blp = torch.zeros((n, length - 1), dtype=torch.float32)
-        blp[resp_rows, resp_cols] = torch.tensor([v for lp in behavior_logprobs for v in lp], dtype=torch.float32)
-        return cls(tokens, mask, blp, torch.tensor(advantages, dtype=torch.float32))
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def rows(self, index: slice) -> "TrainBatch":
-        return TrainBatch(self.tokens[index], self.loss_mask[index], self.behavior_logprobs[index],
-                          self.advantages[index], None if self.ref_logprobs is None else self.ref_logprobs[index])
-
-
-@dataclasses.dataclass
-class AlgorithmConfig:
-    loss: str = "aipo"
-    rho: float = 4.0  # AIPO's one-sided clip
-    clip_eps: float = 0.2  # PPO
-    clip_eps_high: float | None = None
-    aggregation: str = "token-mean"
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    temperature: float = 1.0
-
-    def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise ValueError(f"--loss {self.loss!r} is unknown; choose one of {LOSSES}")
-        if self.aggregation not in algorithms.AGGREGATIONS:
-            raise ValueError(f"--loss-aggregation {self.aggregation!r} is unknown; choose one of "
-                             f"{algorithms.AGGREGATIONS}")
-        if self.temperature <= 0:
-            raise ValueError(f"--temperature must be > 0 for training, got {self.temperature}")
-
-
-def _normalizer(batch: TrainBatch, aggregation: str) -> float:
-    if aggregation == "token-mean":
-        return float(max(int(batch.loss_mask.sum()), 1))
-    return float(len(batch))
-
 
 def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch.Tensor], vocab_size: int,
                 normalizer: float) -> tuple[torch.Tensor, dict[str, Any]]:
     """The loss of one micro-batch (already divided by the global normalizer) and its raw statistics."""
     targets = mb["tokens"][:, 1:]
     logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1], targets, vocab_size, algo.temperature)
-    mask, blp, adv = mb["loss_mask"], mb["behavior_logprobs"], mb["advantages"]
-    kwargs = dict(aggregation=algo.aggregation, normalizer=normalizer, constant=float(targets.shape[1]))
-    if algo.loss == "sft":  # supervised warm-up: negative log-likelihood of the masked tokens
-        loss = algorithms.aggregate(-logprobs, mask, algo.aggregation, normalizer, kwargs["constant"])
-    elif algo.loss == "aipo":
-        loss, _ = algorithms.aipo_loss(logprobs, blp, adv, mask, rho=algo.rho, **kwargs)
-    elif algo.loss == "aipo-clamp":
-        loss, _ = algorithms.aipo_clamp_loss(logprobs, blp, adv, mask, rho=algo.rho, **kwargs)
-    else:
-        loss, _ = algorithms.ppo_clip_loss(logprobs, blp, adv, mask, algo.clip_eps, algo.clip_eps_high, **kwargs)
+    mask, blp = mb["loss_mask"], mb["behavior_logprobs"]
+    aggregation = dict(aggregation=algo.aggregation, normalizer=normalizer, constant=float(targets.shape[1]))
+    loss = algorithms.LOSSES[algo.loss].compute(
+        algorithms.LossInputs(logprobs, blp, mb["advantages"], mask, aggregation), algo)
     stats: dict[str, Any] = {"pg_loss": loss.detach()}
     if algo.kl_coef and "ref_logprobs" in mb:
         kl = algorithms.aggregate(algorithms.kl_penalty(logprobs, mb["ref_logprobs"], mask, algo.kl_estimator),
-                                  mask, algo.aggregation, normalizer, kwargs["constant"])
+                                  mask, **aggregation)
         loss = loss + algo.kl_coef * kl
         stats["kl_ref"] = kl.detach()
-    ent = algorithms.aggregate(entropy, mask, algo.aggregation, normalizer, kwargs["constant"])
+    ent = algorithms.aggregate(entropy, mask, **aggregation)
     if algo.entropy_coef:
         loss = loss - algo.entropy_coef * ent
     stats.update(entropy=ent.detach(), loss=loss.detach(),
@@ -175,7 +77,7 @@ class PolicyTrainer:
         from megatron.core import parallel_state as ps
 
         start = time.perf_counter()
-        normalizer = _normalizer(batch, self.algo.aggregation)
+        normalizer = algorithms.AGGREGATIONS[self.algo.aggregation].global_normalizer(batch.loss_mask)
         vocab = self.policy.spec.vocab_size
         stats = run_microbatches(self.policy, self._microbatches(batch),
                                  lambda logits, mb: policy_loss(self.algo, logits, mb, vocab, normalizer))
@@ -208,8 +110,7 @@ class PolicyTrainer:
         lp = torch.cat([g[0] for g in gathered]).unsqueeze(0)
         blp = torch.cat([g[1] for g in gathered]).unsqueeze(0)
         mask = torch.ones_like(lp, dtype=torch.bool)
-        low = 1 - self.algo.clip_eps if self.algo.loss == "ppo" else None
-        high = self.algo.rho if self.algo.loss.startswith("aipo") else 1 + (self.algo.clip_eps_high or self.algo.clip_eps)
+        low, high = algorithms.LOSSES[self.algo.loss].clip_bounds(self.algo)
         out = {"loss": scalars[0].item(), "pg_loss": scalars[1].item(), "entropy": scalars[2].item()}
         if self.algo.kl_coef:
             out["kl_ref"] = scalars[3].item()

@@ -1,0 +1,63 @@
+"""The reward stage: a thread between the generators and the rollout buffer.
+
+It receives each generator message as it arrives and scores its rollouts (in the reward function's worker
+processes), so scoring overlaps generation and training instead of running on the trainer's critical path.
+The controller takes scored messages from `get`. The thread ends after every generator said it stopped; an
+exception in it is handed to the controller by `get`, never swallowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+
+from megatron_rl.rewards.result import RewardResult
+from megatron_rl.rollout.types import RequestMeta, RolloutOutput
+
+
+@dataclasses.dataclass
+class Scored:
+    """One generator message after the reward stage: `kind` "rollouts" or "stopped"."""
+
+    kind: str
+    source: int  # the generator rank that sent it
+    stats: dict  # that generator's cumulative counters
+    rollouts: list[tuple[RolloutOutput, RequestMeta]] = dataclasses.field(default_factory=list)
+    rewards: list[RewardResult] = dataclasses.field(default_factory=list)
+    reward_s: float = 0.0  # time spent scoring
+
+
+class RewardStage:
+    def __init__(self, channel, tokenizer, reward_fn, num_generators: int):
+        """`channel.recv()` gives `((kind, payload), source)` messages of the generators."""
+        self.channel, self.tokenizer, self.reward_fn = channel, tokenizer, reward_fn
+        self.num_generators = num_generators
+        self._scored: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="reward-stage").start()
+
+    def _run(self) -> None:
+        stopped = 0
+        try:
+            while stopped < self.num_generators:
+                (kind, payload), source = self.channel.recv()
+                if kind == "stopped":
+                    stopped += 1
+                    self._scored.put(Scored("stopped", source, payload))
+                    continue
+                rollouts, stats = payload
+                start = time.perf_counter()
+                eos = self.tokenizer.eos_token_id
+                texts = [self.tokenizer.decode([t for t in o.token_ids if t != eos]) for o, _ in rollouts]
+                rewards = self.reward_fn(texts, [m.reference for _, m in rollouts])
+                self._scored.put(Scored("rollouts", source, stats, rollouts, rewards, time.perf_counter() - start))
+        except BaseException as e:  # noqa: BLE001 - raised again in the controller's thread by get()
+            self._scored.put(e)
+
+    def get(self, timeout: float | None = None) -> Scored:
+        """The next scored message; `timeout` 0: only if one is ready. Raises queue.Empty after `timeout`."""
+        item = self._scored.get_nowait() if timeout == 0 else self._scored.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item

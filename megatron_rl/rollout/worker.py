@@ -1,0 +1,106 @@
+"""The generator worker: one per generator rank, driving this rank's engine (from the backend registry).
+
+The replica's leader takes messages from the controller: "requests" (add them to the engine), "sync" (pause,
+receive the new weights by DDMA, continue), "stop". It shares them with the replica's other TP ranks, which
+make exactly the same engine calls (SPMD, as SGLang's TP schedulers do). Finished rollouts go back to the
+controller a group at a time: the controller can use only complete groups, and each message wakes a thread on
+the trainer's rank 0, so one message per engine step with complete groups beats one per finished sample.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
+from megatron_rl.ddma.sync import publish
+from megatron_rl.ddma.transport import TorchDistTransport
+from megatron_rl.roles import Roles
+from megatron_rl.rollout.backends import ENGINE_BACKENDS
+from megatron_rl.rollout.types import RequestMeta, SamplingParams
+from megatron_rl.run_setup import RunSetup
+
+
+class GeneratorWorker:
+    def __init__(self, setup: RunSetup, roles: Roles):
+        self.args, self.roles = setup.args, roles
+        self.dtype = torch.bfloat16 if self.args.bf16 else torch.float32
+        self.engine = ENGINE_BACKENDS[self.args.rollout_backend](setup, roles)
+        self.plan = setup.plan()
+        self.transport = TorchDistTransport(roles.sync_group)
+        self.control = Channel(roles.sync_group, TAG_CONTROL, last_kind="stop")
+        self.rollouts = Channel(roles.sync_group, TAG_ROLLOUTS)
+        self.stats = {"busy_s": 0.0, "idle_s": 0.0, "sync_s": 0.0, "tokens": 0}
+        self.meta: dict[str, RequestMeta] = {}
+        self.unfinished: Counter = Counter()  # group -> samples still generating
+        self.held: dict[tuple, list] = defaultdict(list)  # group -> finished samples waiting for the rest
+
+    def run(self) -> None:
+        try:
+            while self._handle(self._messages()):
+                if self.engine.has_work() and not self.engine.paused:
+                    self._step()
+        finally:
+            self.engine.shutdown()
+
+    def _messages(self) -> list:
+        """The leader reads control messages (blocking only when there is nothing to decode) and shares them
+        with the replica's other TP ranks."""
+        msgs = []
+        if self.roles.is_leader:
+            if not self.engine.has_work():
+                start = time.perf_counter()
+                msgs.append(self.control.recv(0)[0])
+                self.stats["idle_s"] += time.perf_counter() - start
+            while (m := self.control.poll(0)) is not None:
+                msgs.append(m[0])
+        if self.roles.rollout_tp > 1:
+            box = [msgs]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.roles.replica_group, 0),
+                                       group=self.roles.replica_group)
+            msgs = box[0]
+        return msgs
+
+    def _handle(self, messages: list) -> bool:
+        """Apply the controller's messages; False once told to stop."""
+        for kind, payload in messages:
+            if kind == "requests":
+                for rid, prompt, params, meta in payload:
+                    self.engine.add_request(prompt, SamplingParams(**params), rid)
+                    self.meta[rid] = meta
+                    self.unfinished[meta.group] += 1
+            elif kind == "sync":
+                start = time.perf_counter()
+                self.engine.pause(self.args.rollout_pause_mode)
+                publish(self.plan, self.roles.rank, payload, engine=self.engine, transport=self.transport,
+                        dtype=self.dtype, bucket_bytes=self.args.ddma_bucket_mb * 2**20,
+                        debug_checksums=self.args.ddma_debug_checksums)
+                self.engine.continue_generation()
+                self.stats["sync_s"] += time.perf_counter() - start
+            elif kind == "stop":
+                if self.roles.is_leader:
+                    self.rollouts.send(("stopped", dict(self.stats)), 0)
+                    self.rollouts.flush()
+                return False
+        return True
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        finished = self.engine.step()
+        self.stats["busy_s"] += time.perf_counter() - start
+        self.stats["engine_restarts"] = self.engine.restarts
+        self.stats["rerun_requests"] = self.engine.rerun_requests
+        complete = []
+        for output in finished:
+            meta = self.meta.pop(output.request_id)
+            self.held[meta.group].append((output, meta))
+            self.unfinished[meta.group] -= 1
+            if not self.unfinished[meta.group]:
+                del self.unfinished[meta.group]
+                complete += self.held.pop(meta.group)
+        if complete and self.roles.is_leader:
+            self.stats["tokens"] += sum(len(o.token_ids) for o, _ in complete)
+            self.rollouts.send(("rollouts", (complete, dict(self.stats))), 0)

@@ -1,0 +1,120 @@
+"""Run setup: everything a launch decides before any weight exists, built once and read by every role.
+
+`build_run_setup(args, world_size)` loads the tokenizer and the model architecture, builds the trainer's and
+the generators' layouts from the flags and the world size, and validates them all: the layouts against the
+model, Megatron-Core's own TransformerConfig checks (uneven pipeline stages included), the DDMA plan between
+the two layouts, and a `--load` checkpoint against the model. `--dry-run` and a real launch call this same
+function, so whatever the dry run accepts the run accepts, and the other way round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import zlib
+
+from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
+from megatron_rl.models.spec import ModelSpec, get_model_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    args: object  # the parsed flags (argparse.Namespace)
+    tokenizer: object
+    spec: ModelSpec
+    trainer: TrainerLayout
+    generator: GeneratorLayout
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size + self.generator.world_size
+
+    def plan(self):
+        """The DDMA plan between the two layouts (computed once per process, cached by `make_plan`)."""
+        from megatron_rl.ddma.plan import make_plan
+
+        return make_plan(self.spec, self.trainer, self.generator)
+
+
+def stable_seed(*parts) -> int:
+    """A seed that depends only on `parts` (the same on every rank and every run)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def load_tokenizer(args):
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def model_spec(args, tokenizer) -> ModelSpec:
+    """The architecture: --load-hf's config.json, the built-in tiny model, or a named spec; then --num-layers
+    and the other shape flags override it."""
+    if args.load_hf:
+        with open(os.path.join(args.load_hf, "config.json")) as f:
+            spec = ModelSpec.from_hf_config(json.load(f), name=os.path.basename(os.path.normpath(args.load_hf)))
+    elif args.model == "tiny-arith":
+        spec = ModelSpec("tiny-arith", "llama", hidden_size=128, num_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, ffn_hidden_size=384, vocab_size=len(tokenizer),
+                         max_position_embeddings=args.seq_length)
+    else:
+        spec = get_model_spec(args.model)
+    overrides = {k: v for k, v in (("num_layers", args.num_layers), ("hidden_size", args.hidden_size),
+                                   ("ffn_hidden_size", args.ffn_hidden_size),
+                                   ("num_attention_heads", args.num_attention_heads),
+                                   ("num_key_value_heads", args.num_query_groups)) if v is not None}
+    spec = spec.replace(**overrides) if overrides else spec
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but model {spec.name!r} has vocab_size "
+                         f"{spec.vocab_size}")
+    return spec
+
+
+def layouts(args, world_size: int) -> tuple[TrainerLayout, GeneratorLayout]:
+    """The trainer gets the first ranks, the generators (rollout TP x replicas) the rest; DP is what the
+    trainer's ranks leave after TP x PP. Errors name the flags."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    gtp, replicas = args.rollout_tensor_parallel_size, args.rollout_num_replicas
+    trainer_world = world_size - gtp * replicas
+    if trainer_world < 1 or trainer_world % (tp * pp):
+        raise ValueError(f"world size {world_size} leaves {trainer_world} trainer ranks after {gtp * replicas} "
+                         f"generator ranks (--rollout-tensor-parallel-size {gtp} x --rollout-num-replicas "
+                         f"{replicas}); it must be a positive multiple of --tensor-model-parallel-size {tp} x "
+                         f"--pipeline-model-parallel-size {pp}")
+    trainer = TrainerLayout(tp, pp, trainer_world // (tp * pp), args.make_vocab_size_divisible_by,
+                            args.transformer_impl, args.decoder_first_pipeline_num_layers,
+                            args.decoder_last_pipeline_num_layers, dtype_bytes=2 if args.bf16 else 4)
+    generator = GeneratorLayout(gtp, replicas, args.rollout_fp8, first_rank=trainer_world)
+    return trainer, generator
+
+
+def check_megatron_config(spec: ModelSpec, trainer: TrainerLayout) -> None:
+    """Build the TransformerConfig the trainer will build: Megatron-Core's own checks run here too."""
+    from megatron_rl.trainer.model import transformer_config
+
+    try:
+        transformer_config(spec, trainer)
+    except (ValueError, AssertionError) as e:
+        raise ValueError(f"Megatron-Core refuses the trainer layout ({trainer.describe()}, model {spec.name!r}): "
+                         f"{e}") from None
+
+
+def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
+    """Validate the launch and return its setup. `tokenizer`: use this one instead of loading --tokenizer (the
+    dry run plans without tokenizer files)."""
+    from megatron_rl import checkpointing
+    from megatron_rl.ddma.plan import validate as validate_plan
+
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args)
+    spec = model_spec(args, tokenizer)
+    trainer, generator = layouts(args, world_size)
+    validate_plan(spec, trainer, generator)  # both layouts against the model, and against each other
+    check_megatron_config(spec, trainer)
+    if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
+        checkpointing.check_checkpoint(args.load, spec)
+    return RunSetup(args, tokenizer, spec, trainer, generator)

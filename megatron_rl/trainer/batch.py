@@ -1,0 +1,86 @@
+"""The trainer's input: scored rollouts packed as padded tensors, with their advantages."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from megatron_rl.algorithms import compute_advantages
+
+
+def _ragged_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every element of ragged rows of these lengths, each row starting at column 0."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return rows, torch.arange(int(lengths.sum())) - starts[rows]
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """Rollouts as padded tensors. Position t of the [N, L-1] tensors is the prediction of tokens[:, t+1]."""
+
+    tokens: torch.Tensor  # [N, L] long: prompt + response, right-padded
+    loss_mask: torch.Tensor  # [N, L-1] bool: True where tokens[:, t+1] is a policy action to train on
+    behavior_logprobs: torch.Tensor  # [N, L-1] float: mu's log-prob of tokens[:, t+1] (0 where masked)
+    advantages: torch.Tensor  # [N] float
+    ref_logprobs: torch.Tensor | None = None  # [N, L-1] for the KL penalty
+
+    @classmethod
+    def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                       behavior_logprobs: Sequence[Sequence[float]], advantages: Sequence[float],
+                       response_masks: Sequence[Sequence[bool]] | None = None, pad_id: int = 0,
+                       pad_to_multiple_of: int = 1) -> "TrainBatch":
+        """Pack prompt/response pairs. `response_masks[i][j]` False excludes response token j (observation
+        tokens of a tool call, say) from the loss."""
+        n = len(prompts)
+        for name, seq in (("responses", responses), ("behavior_logprobs", behavior_logprobs),
+                          ("advantages", advantages)):
+            if len(seq) != n:
+                raise ValueError(f"{name} has {len(seq)} entries, prompts has {n}")
+        for i, (p, r, lp) in enumerate(zip(prompts, responses, behavior_logprobs)):
+            if len(lp) != len(r):
+                raise ValueError(f"behavior_logprobs[{i}] has {len(lp)} values for {len(r)} response tokens")
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty: the first response token needs a context")
+            if response_masks is not None and len(response_masks[i]) != len(r):
+                raise ValueError(f"response_masks[{i}] has {len(response_masks[i])} values for {len(r)} "
+                                 "response tokens")
+        # One scatter per tensor, not three small copies per row: this runs on the controller's critical path.
+        prompt_len = torch.tensor([len(p) for p in prompts])
+        response_len = torch.tensor([len(r) for r in responses])
+        length = int((prompt_len + response_len).max())
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+        seq_rows, seq_cols = _ragged_index(prompt_len + response_len)
+        resp_rows, resp_cols = _ragged_index(response_len)
+        resp_cols += (prompt_len - 1)[resp_rows]  # position t predicts token t + 1
+        tokens = torch.full((n, length), pad_id, dtype=torch.long)
+        tokens[seq_rows, seq_cols] = torch.tensor([t for p, r in zip(prompts, responses) for t in (*p, *r)],
+                                                  dtype=torch.long)
+        mask = torch.zeros((n, length - 1), dtype=torch.bool)
+        mask[resp_rows, resp_cols] = True if response_masks is None else \
+            torch.tensor([m for ms in response_masks for m in ms], dtype=torch.bool)
+        blp = torch.zeros((n, length - 1), dtype=torch.float32)
+        blp[resp_rows, resp_cols] = torch.tensor([v for lp in behavior_logprobs for v in lp], dtype=torch.float32)
+        return cls(tokens, mask, blp, torch.tensor(advantages, dtype=torch.float32))
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, index: slice) -> "TrainBatch":
+        return TrainBatch(self.tokens[index], self.loss_mask[index], self.behavior_logprobs[index],
+                          self.advantages[index], None if self.ref_logprobs is None else self.ref_logprobs[index])
+
+    @classmethod
+    def from_groups(cls, groups: list[list], advantage_estimator: str) -> "TrainBatch":
+        """Buffer groups (lists of `buffer.Rollout`, one list per prompt) with advantages within each group."""
+        rollouts = [r for g in groups for r in g]
+        rewards = torch.tensor([r.reward.reward for r in rollouts], dtype=torch.float32)
+        group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+        advantages = compute_advantages(rewards, group_ids, advantage_estimator)
+        outputs = [r.output for r in rollouts]
+        masks = None if all(o.loss_mask is None for o in outputs) else \
+            [o.loss_mask or [True] * len(o.token_ids) for o in outputs]
+        return cls.from_sequences([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
+                                  [o.logprobs for o in outputs], advantages.tolist(), masks)

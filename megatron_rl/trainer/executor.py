@@ -1,0 +1,146 @@
+"""The trainer executor: every trainer rank runs the same command, decided by trainer rank 0.
+
+Rank 0 (where the controller also runs) calls `command(name, payload)`: the command is broadcast to the other
+trainer ranks, which wait for commands in `serve()`, and all of them execute it through one table of handlers
+(train, sft, publish, save, load). Commands are collective: Megatron's schedules, DDP and the optimizer run on
+every trainer rank at once.
+
+DDMA sends are posted in the background after each optimizer step ("publish") and waited for just before the
+next optimizer step changes the parameters, so the trainer computes the next batch's forward and backward while
+generators receive.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl import checkpointing
+from megatron_rl.algorithms import AlgorithmConfig
+from megatron_rl.ddma.sync import publish
+from megatron_rl.ddma.transport import TorchDistTransport
+from megatron_rl.roles import Roles
+from megatron_rl.run_setup import RunSetup
+
+
+class TrainerExecutor:
+    def __init__(self, setup: RunSetup, roles: Roles):
+        from megatron_rl.trainer import parallel
+        from megatron_rl.trainer.policy import build_policy
+        from megatron_rl.trainer.train_step import PolicyTrainer, build_scheduler
+
+        args, spec, layout = setup.args, setup.spec, setup.trainer
+        self.args, self.roles, self.spec = args, roles, spec
+        parallel.initialize(layout, spec, seed=args.seed)
+        init = None
+        if args.load_hf:
+            from megatron_rl.models.safetensors_io import HFCheckpoint
+            from megatron_rl.trainer.weights import load_hf_weights
+
+            reader = HFCheckpoint(args.load_hf)
+            init = lambda m: load_hf_weights(m, spec, layout, reader.get_slice)  # noqa: E731
+        policy = build_policy(spec, layout, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                              clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                              adam_eps=args.adam_eps, bf16=args.bf16,
+                              use_distributed_optimizer=args.use_distributed_optimizer, init_weights=init)
+        self.scheduler = build_scheduler(policy, args.lr_warmup_iters, args.train_iters, args.lr_decay_style)
+        self.rl_algo = AlgorithmConfig(loss=args.loss, rho=args.aipo_rho, clip_eps=args.ppo_clip_eps,
+                                       aggregation=args.loss_aggregation,
+                                       advantage_estimator=args.advantage_estimator, kl_coef=args.kl_coef,
+                                       entropy_coef=args.entropy_coef, temperature=args.rollout_temperature)
+        self.sft_algo = AlgorithmConfig(loss="sft")
+        self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler)
+        self.plan = setup.plan()
+        self.transport = TorchDistTransport(roles.sync_group)
+        self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
+        self.handlers: dict[str, Callable[[Any], Any]] = {
+            "train": self._train, "sft": self._sft, "publish": self._publish, "save": self._save, "load": self._load,
+        }
+
+    def command(self, name: str, payload=None):
+        """Trainer rank 0: run a command on every trainer rank; returns this rank's result."""
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list([(name, payload)], src=0)
+        return self._execute(name, payload)
+
+    def serve(self) -> None:
+        """Trainer ranks other than 0: execute rank 0's commands until it says "stop"."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            name, payload = box[0]
+            if name == "stop":
+                self._finish_publish()
+                return
+            self._execute(name, payload)
+
+    def stop(self) -> None:
+        """Trainer rank 0: release the other ranks from `serve`."""
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list([("stop", None)], src=0)
+        self._finish_publish()
+
+    def _execute(self, name: str, payload):
+        if name not in ("train", "sft"):  # those wait just before their optimizer step
+            self._finish_publish()
+        if name not in self.handlers:
+            raise ValueError(f"unknown trainer command {name!r}; known: {sorted(self.handlers)}")
+        return self.handlers[name](payload)
+
+    def _finish_publish(self) -> None:
+        """Wait for this rank's last DDMA sends: they read the parameters, which must not change before."""
+        if self._publishing is not None:
+            self._publishing.wait()
+            self._publishing = None
+
+    # ---- handlers -------------------------------------------------------------------------------------------------
+    def _train(self, batch):
+        self.trainer.algo, self.trainer.scheduler = self.rl_algo, self.scheduler
+        metrics = self.trainer.train_step(batch, before_update=self._finish_publish)
+        if self.args.log_param_checksum:
+            metrics["param_checksum"] = self.param_checksum()
+        return metrics
+
+    def _sft(self, payload):
+        batch, lr = payload
+        self.trainer.algo, self.trainer.scheduler = self.sft_algo, None
+        for group in self.trainer.policy.optimizer.param_groups:
+            group["lr"] = lr
+        return self.trainer.train_step(batch, before_update=self._finish_publish)
+
+    def _publish(self, version: int) -> None:
+        """Post this rank's DDMA sends of the current weights as `version`, without waiting for them."""
+        params = {n: p.detach() for n, p in self.trainer.policy.module.named_parameters()}
+        self._publishing = publish(self.plan, self.roles.rank, version, trainer_tensors=params,
+                                   transport=self.transport, bucket_bytes=self.args.ddma_bucket_mb * 2**20,
+                                   debug_checksums=self.args.ddma_debug_checksums, background=True)
+
+    def _save(self, payload) -> None:
+        from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
+
+        directory, extra = payload
+        checkpointing.save_rng(directory, dist.get_rank())
+        dist.barrier()
+        save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler, extra)
+
+    def _load(self, directory: str) -> dict:
+        from megatron_rl.trainer.checkpoint import load_trainer_checkpoint
+
+        extra = load_trainer_checkpoint(self.trainer.policy, directory, self.scheduler)
+        checkpointing.load_rng(directory, dist.get_rank())
+        return extra
+
+    def param_checksum(self) -> float:
+        """Sum of every weight of the model (each shard counted once), in float64."""
+        from megatron.core import parallel_state as ps
+
+        total = torch.zeros(1, dtype=torch.float64)
+        for name, p in self.trainer.policy.module.named_parameters():
+            replicated = "norm" in name and ps.get_tensor_model_parallel_rank() != 0
+            tied_copy = name == "output_layer.weight" and self.spec.tie_word_embeddings
+            if not replicated and not tied_copy:
+                total += p.detach().double().sum()
+        dist.all_reduce(total, group=ps.get_model_parallel_group())
+        return float(total)

@@ -1,0 +1,59 @@
+"""The run setup that a launch and `--dry-run` share: layouts from the flags and the world size, validated
+against the model and Megatron-Core's own TransformerConfig checks, with errors that name the flag."""
+
+import pytest
+
+from megatron_rl.arguments import parse_args
+from megatron_rl.data.tokenizer import build_char_tokenizer
+from megatron_rl.run_setup import build_run_setup
+
+TINY = ["--model", "tiny-llama"]  # 4 heads, 2 KV heads, 2 layers
+
+
+def _setup(world, *flags):
+    return build_run_setup(parse_args([*TINY, *flags]), world, tokenizer=build_char_tokenizer())
+
+
+@pytest.mark.parametrize("world,flags,pattern", [
+    (4, ["--tensor-model-parallel-size", "2"], r"world size 4 leaves 3 trainer ranks .* multiple of "
+                                               r"--tensor-model-parallel-size 2"),
+    (5, ["--tensor-model-parallel-size", "4"], r"trainer TP=4 \(--tensor-model-parallel-size\) does not divide "
+                                               r"model 'tiny-llama': num_key_value_heads 2"),
+    (5, ["--pipeline-model-parallel-size", "4"], r"--pipeline-model-parallel-size 4 does not divide model "
+                                                 r"'tiny-llama' num_layers 2"),
+    (3, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"],
+     r"--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 does not divide"),
+    (2, ["--decoder-last-pipeline-num-layers", "1"], r"--decoder-last-pipeline-num-layers 1 need\(s\) "
+                                                     r"--pipeline-model-parallel-size > 1"),
+    (3, ["--rollout-tensor-parallel-size", "3"], r"world size 3 leaves 0 trainer ranks"),
+    (4, ["--rollout-tensor-parallel-size", "3"], r"generator TP=3 \(--rollout-tensor-parallel-size\) does not "
+                                                 r"divide"),
+])
+def test_bad_layouts_name_the_flag_and_numbers(world, flags, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _setup(world, *flags)
+
+
+def test_layouts_take_every_flag_and_the_world_size():
+    setup = _setup(9, "--tensor-model-parallel-size", "2", "--rollout-num-replicas", "1", "--bf16",
+                   "--transformer-impl", "transformer_engine", "--make-vocab-size-divisible-by", "64")
+    t, g = setup.trainer, setup.generator
+    assert (t.tensor_parallel_size, t.pipeline_parallel_size, t.data_parallel_size) == (2, 1, 4)
+    assert (t.transformer_impl, t.make_vocab_size_divisible_by, t.dtype_bytes) == ("transformer_engine", 64, 2)
+    assert (g.tensor_parallel_size, g.num_replicas, g.first_rank) == (1, 1, 8) and setup.world_size == 9
+
+
+def test_uneven_stages_reach_megatron_and_the_405b_config_passes_a_launchs_validation():
+    from megatron_rl.trainer.model import transformer_config
+
+    setup = _setup(3, "--num-layers", "5", "--pipeline-model-parallel-size", "2",
+                   "--decoder-first-pipeline-num-layers", "1")
+    assert setup.trainer.stage_sizes(setup.spec) == [1, 4]
+    config = transformer_config(setup.spec, setup.trainer)
+    assert (config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage) == (1, None)
+    # 126 layers over 16 stages: 7 + 14 x 8 + 7, the configs/llama3-405b.json layout, at the example's world size
+    # (trainer 8 x 16 x 8 = 1024 ranks, generators 8 x 64 = 512).
+    big = build_run_setup(parse_args(["--config", "llama3-405b", "--rollout-num-replicas", "64"]), 1536,
+                          tokenizer=build_char_tokenizer())
+    assert big.trainer.stage_sizes(big.spec) == [7] + [8] * 14 + [7] and big.trainer.data_parallel_size == 8
+    assert transformer_config(big.spec, big.trainer).num_layers_in_last_pipeline_stage == 7
