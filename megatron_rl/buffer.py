@@ -49,7 +49,7 @@ class Rollout:
         return self.reward.is_failure or self.output.finish_reason == "failure"
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Rollout":
+    def from_dict(cls, d: dict) -> Rollout:
         return cls(RolloutOutput(**d["output"]), RequestMeta(**d["meta"]), RewardResult(**d["reward"]),
                    d["finished_at"])
 
@@ -117,7 +117,8 @@ class RolloutBuffer:
                 group_reason = "group rewards all equal"
             outcomes += [(r, group_reason) for r in kept]
             if group_reason:
-                discards[group_reason] += len(kept)
+                if kept:
+                    discards[group_reason] += len(kept)
                 continue
             ages += [now - r.meta.dispatched_at for r in kept]
             released.append(kept)

@@ -52,7 +52,10 @@ class Channel:
 
     def _receive(self, src: int | None) -> tuple[Any, int]:
         header = torch.zeros(1, dtype=torch.int64)
-        work = self.group.recv_anysource([header], self.tag) if src is None else self.group.recv([header], src, self.tag)
+        if src is None:
+            work = self.group.recv_anysource([header], self.tag)
+        else:
+            work = self.group.recv([header], src, self.tag)
         work.wait()
         sender = work.source_rank() if src is None else src
         payload = torch.empty(int(header[0]), dtype=torch.uint8)

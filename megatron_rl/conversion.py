@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -132,7 +132,7 @@ def _write_rank_files(spec, layout, get_slice, dtype, out, progress):
     for (t, p), params in shards.items():
         entries = [(name, s.shape, dtype) for name, s in params.items()]
         write_streaming(os.path.join(out, rank_file(t, p)), entries,
-                        lambda name: L.assemble(params[name], get_slice, dtype=dtype),
+                        lambda name, params=params: L.assemble(params[name], get_slice, dtype=dtype),
                         on_tensor=lambda _: bar.update())
     bar.close()
 
@@ -284,7 +284,8 @@ def megatron_to_hf(load: str, save: str, max_shard_bytes: int = 5 * 2**30, overw
                                 metadata={"format": "pt"}, on_tensor=lambda _: bar.update())
                 weight_map.update({n: fname for n in names})
             if len(files) > 1:
-                total = sum(torch.Size(s).numel() for s in shapes.values()) * torch.empty((), dtype=dtype).element_size()
+                itemsize = torch.empty((), dtype=dtype).element_size()
+                total = sum(torch.Size(s).numel() for s in shapes.values()) * itemsize
                 with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
                     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
             with open(os.path.join(out, "config.json"), "w") as f:

@@ -1,7 +1,7 @@
 """Make Megatron-Core 0.16 run on a CPU-only machine (gloo backend).
 
 Megatron-Core assumes CUDA throughout. Each patch below exists because the named code path failed on a
-CPU machine without it (see shared/notes/megatron-core-cpu.md). `apply()` installs them all once, and only
+CPU machine without it (each patch's docstring says which). `apply()` installs them all once, and only
 when CUDA is absent: on a GPU nothing here runs and Megatron-Core is used as shipped.
 """
 

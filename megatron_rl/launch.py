@@ -12,7 +12,8 @@ import os
 import pickle
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -48,7 +49,8 @@ def _rank_main(rank, world_size, port, backend, fn, args, env, results):
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        if backend is not None:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(*args)
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - any failure is reported to the parent with its traceback
@@ -65,13 +67,14 @@ def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on `world_size` ranks; return each rank's value, in rank order.
 
-    `fn` must be importable by name (a module-level function), as spawn requires.
+    `fn` must be importable by name (a module-level function), as spawn requires. Each rank has torchrun's
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and, unless `backend` is None, a default process group.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

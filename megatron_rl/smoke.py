@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         mb = {"input_ids": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous()}
         n = mb["labels"].numel() * ps.get_data_parallel_world_size()
 
-        def loss_fn(logits, mb):
+        def loss_fn(logits, mb, n=n):
             loss = vocab_parallel_cross_entropy(mask_padded_vocab(logits.float(), spec.vocab_size), mb["labels"])
             return loss.sum() / n, {"loss": loss.detach().sum() / n}
 

@@ -7,8 +7,19 @@ import pytest
 import torch
 
 from megatron_rl.algorithms import (
-    aggregate, aipo_clamp_loss, aipo_loss, compute_advantages, failure_gate, group_filter, kl_penalty,
-    lag_histogram, offpolicy_diagnostics, ppo_clip_loss, token_ratio_mask, version_gate, vtrace,
+    aggregate,
+    aipo_clamp_loss,
+    aipo_loss,
+    compute_advantages,
+    failure_gate,
+    group_filter,
+    kl_penalty,
+    lag_histogram,
+    offpolicy_diagnostics,
+    ppo_clip_loss,
+    token_ratio_mask,
+    version_gate,
+    vtrace,
 )
 
 

@@ -82,13 +82,13 @@ def test_torch_dist_format_round_trip(tmp_path):
 
 
 def _megatron_logits(source: str, from_megatron: bool, spec: ModelSpec, tp: int, ids: torch.Tensor):
+    from helpers import gather_vocab_parallel
     from megatron.core import parallel_state as ps
 
     from megatron_rl.conversion import MegatronCheckpoint
     from megatron_rl.models.safetensors_io import HFCheckpoint
     from megatron_rl.trainer import parallel
     from megatron_rl.trainer.model import build_gpt_model
-    from megatron_rl.trainer.policy import gather_vocab_parallel
     from megatron_rl.trainer.weights import load_hf_weights
 
     layout = TrainerLayout(tp, 1, dtype_bytes=4)

@@ -60,7 +60,8 @@ def test_gate_up_row_parallel_and_vocab_padding():
     assert _rows(fc1[:64], base["model.layers.1.mlp.gate_proj.weight"]) == list(range(64, 128))
     assert _rows(fc1[64:], base["model.layers.1.mlp.up_proj.weight"]) == list(range(64, 128))
     fc2 = L.assemble(meg["decoder.layers.0.mlp.linear_fc2.weight"], L.slicer(hf))
-    assert fc2.shape == (64, 64) and _rows(fc2, base["model.layers.1.mlp.down_proj.weight"], dim=1) == list(range(64, 128))
+    assert fc2.shape == (64, 64)
+    assert _rows(fc2, base["model.layers.1.mlp.down_proj.weight"], dim=1) == list(range(64, 128))
     out = meg["output_layer.weight"]  # vocab 128 padded to a multiple of 96 = 192: rank 1 holds 96..191
     assert out.shape == (96, 64)
     assert [(s.hf_name, s.start, s.stop) for s in out.segments] == [("lm_head.weight", 96, 128), (None, 128, 192)]
@@ -92,7 +93,9 @@ def test_split_and_scatter_invert_assemble_for_every_layout():
 
 
 def test_layouts_the_generator_cannot_take_name_the_problem():
-    with pytest.raises(ValueError, match=r"generator TP=3 \(--rollout-tensor-parallel-size\) does not divide model 'tiny-qwen2': num_attention_heads 4"):
+    with pytest.raises(ValueError, match=r"generator TP=3 \(--rollout-tensor-parallel-size\) does not divide "
+                                         r"model 'tiny-qwen2': num_attention_heads 4"):
         L.sglang_shards(SPEC, 3, 0)
-    with pytest.raises(ValueError, match=r"trainer TP=4 \(--tensor-model-parallel-size\) does not divide model 'tiny-qwen2'.*num_key_value_heads 2"):
+    with pytest.raises(ValueError, match=r"trainer TP=4 \(--tensor-model-parallel-size\) does not divide "
+                                         r"model 'tiny-qwen2'.*num_key_value_heads 2"):
         L.megatron_shards(SPEC, L.TrainerLayout(4, 1), 0, 0)

@@ -31,6 +31,7 @@ def test_plot_writes_a_png(tmp_path):
         (tmp_path / name).mkdir()
         with open(tmp_path / name / "metrics.jsonl", "w") as f:
             for step in range(1, 4):
-                f.write(json.dumps({"step": step, "time_s": step, "reward_mean": step / 4, "accuracy": step / 5}) + "\n")
+                row = {"step": step, "time_s": step, "reward_mean": step / 4, "accuracy": step / 5}
+                f.write(json.dumps(row) + "\n")
     out = plot({"async": str(tmp_path / "a"), "sync": str(tmp_path / "b")}, str(tmp_path / "curve.png"))
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -10,8 +10,8 @@ import torch
 
 from megatron_rl.launch import run_on_ranks
 from megatron_rl.models.layout import TrainerLayout
-from megatron_rl.trainer import parallel
 from megatron_rl.models.spec import get_model_spec
+from megatron_rl.trainer import parallel
 
 SPEC = get_model_spec("tiny-llama")
 BATCH, SEQ, MICROBATCHES = 4, 12, 2
@@ -23,11 +23,12 @@ def _batch():
 
 
 def _layout_run(tp: int, pp: int, dp: int, spec_name: str):
+    from helpers import gather_vocab_parallel
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_rl.trainer.logprobs import mask_padded_vocab
-    from megatron_rl.trainer.policy import build_policy, gather_vocab_parallel, optimizer_step, run_microbatches
+    from megatron_rl.trainer.policy import build_policy, optimizer_step, run_microbatches
     from megatron_rl.trainer.weights import load_hf_weights, random_hf_weights
 
     spec = get_model_spec(spec_name)
@@ -38,7 +39,8 @@ def _layout_run(tp: int, pp: int, dp: int, spec_name: str):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tokens = _batch()
     rows = tokens.chunk(dp)[dp_rank]
-    microbatches = [{"input_ids": c[:, :-1].contiguous(), "labels": c[:, 1:].contiguous()} for c in rows.chunk(MICROBATCHES // dp if dp <= MICROBATCHES else 1)]
+    chunks = rows.chunk(MICROBATCHES // dp if dp <= MICROBATCHES else 1)
+    microbatches = [{"input_ids": c[:, :-1].contiguous(), "labels": c[:, 1:].contiguous()} for c in chunks]
     global_tokens = tokens[:, 1:].numel()
 
     def logits_fn(logits, mb):

@@ -1,10 +1,10 @@
-"""Reliability: a run killed with SIGKILL (after a checkpoint, and in the middle of writing one) resumes
-exactly, through the user's interface (examples/run_tiny_aipo.sh with --save/--load); bad input of every
-kind (dataset lines, configs, checkpoint directories) stops the run at start with an error naming it."""
+"""Reliability: a run killed with SIGKILL (right after a checkpoint, and in the middle of writing one: exact
+points, by the MEGATRON_RL_FAILPOINT fault injection) resumes exactly, through the user's interface
+(examples/run_tiny_aipo.sh with --save/--load); bad input of every kind (dataset lines, configs, checkpoint
+directories) stops the run at start with an error naming it."""
 
 import json
 import os
-import signal
 import subprocess
 import time
 
@@ -16,23 +16,23 @@ SMALL = ["--sft-warmup-iters", "2", "--train-iters", "8", "--eval-size", "8", "-
          "--log-rollouts", "--keep-uniform-groups", "--max-oversample", "2"]
 
 
-def _start(out, *flags):
+def _start(out, *flags, failpoint=None):
+    from megatron_rl.checkpointing import FAILPOINT_ENV
     from megatron_rl.launch import free_port
 
     env = {**os.environ, "OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    if failpoint:
+        env[FAILPOINT_ENV] = failpoint  # the controller's rank SIGKILLs itself there; torchrun ends the rest
     log = open(out.parent / f"{out.name}-{time.monotonic_ns()}.log", "w")
     return subprocess.Popen(["bash", "examples/run_tiny_aipo.sh", *SMALL, *flags], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log.name
 
 
-def _kill_when(process, condition, timeout=300):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline, "timed out waiting to kill the run"
-        time.sleep(0.01)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+def _crash(out, failpoint, *flags):
+    run, log = _start(out, *flags, failpoint=failpoint)
+    code = run.wait(600)
+    text = open(log).read()
+    assert code != 0 and "held-out accuracy after RL" not in text, text[-3000:]
 
 
 def _rows(path):
@@ -44,14 +44,15 @@ def crashed_and_resumed(tmp_path_factory):
     base = tmp_path_factory.mktemp("crash")
     out, ckpt = base / "out", base / "ckpt"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
-    run, _ = _start(out, "--save", str(ckpt), "--save-interval", "2")
-    _kill_when(run, lambda: tracker.exists() and tracker.read_text() == "4")
+    save = ("--save", str(ckpt), "--save-interval", "2")
+    _crash(out, "checkpoint-saved:4", *save)  # killed right after the step-4 checkpoint became the latest
+    assert tracker.read_text() == "4"
     state_at_4 = json.loads((ckpt / "iter_0000004" / "rl_state.json").read_text())
-    # resume, and kill again while the step-6 checkpoint is being written
-    run, _ = _start(out, "--save", str(ckpt), "--save-interval", "2", "--load", str(ckpt))
-    _kill_when(run, lambda: (ckpt / "iter_0000006.partial").exists())
+    # resume, and crash again in the middle of writing the step-6 checkpoint
+    _crash(out, "checkpoint-partial:6", *save, "--load", str(ckpt))
+    assert (ckpt / "iter_0000006.partial" / "rl_state.json").exists() and not (ckpt / "iter_0000006").exists()
     tracker_after_mid_save_kill = tracker.read_text()
-    run, log = _start(out, "--save", str(ckpt), "--save-interval", "2", "--load", str(ckpt))
+    run, log = _start(out, *save, "--load", str(ckpt))
     assert run.wait(600) == 0, open(log).read()[-3000:]
     return out, state_at_4, tracker_after_mid_save_kill, open(log).read()
 
@@ -83,7 +84,8 @@ def test_every_prompt_is_consumed_once_and_buffered_rollouts_are_accounted_for(c
     prompts = {pid for pid, _ in keys}
     assert all(sum(1 for p, _ in keys if p == pid) == 4 for pid in prompts)  # whole groups, across the crash
     # the checkpoint's buffered rollouts were used or discarded after the resume, with their reasons
-    buffered = {(pid, r["sample_index"]) for pid, group in state_at_4["buffer"]["groups"].items() for r in group}
+    buffered = {(pid, r["meta"]["sample_index"]) for pid, group in state_at_4["buffer"]["groups"].items()
+                for r in group}
     assert buffered <= set(keys)
     # its in-flight samples that the buffer did not hold were generated again, then used or discarded
     inflight = {(pid, k) for pid in state_at_4["inflight"] for k in range(4)} - buffered

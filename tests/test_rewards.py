@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from megatron_rl.rewards import MathScorer, RewardResult, combine, extract_answer, format_reward, build_reward_fn
+from megatron_rl.rewards import MathScorer, RewardResult, build_reward_fn, combine, extract_answer, format_reward
 from megatron_rl.rewards.pool import WorkerPool
 
 TIMEOUT = 2

@@ -12,8 +12,8 @@ import torch
 
 from megatron_rl.launch import run_on_ranks
 from megatron_rl.models.layout import TrainerLayout
-from megatron_rl.trainer import parallel
 from megatron_rl.models.spec import get_model_spec
+from megatron_rl.trainer import parallel
 
 SPEC = get_model_spec("tiny-llama").replace(name="tiny-llama-v200", vocab_size=200)  # vocab padding at TP=2
 TEMPERATURE = 0.7
@@ -34,12 +34,12 @@ def _batch(positive_only=False):
 
 
 def _setup(tp, pp, lr=1e-3, seed_weights=0):
-    from megatron_rl.trainer.policy import build_policy
+    import torch.distributed as dist
+
     from megatron_rl.algorithms import AlgorithmConfig
+    from megatron_rl.trainer.policy import build_policy
     from megatron_rl.trainer.train_step import PolicyTrainer
     from megatron_rl.trainer.weights import load_hf_weights, random_hf_weights
-
-    import torch.distributed as dist
 
     layout = TrainerLayout(tp, pp, dist.get_world_size() // (tp * pp), dtype_bytes=4)
     parallel.initialize(layout, SPEC)
@@ -67,10 +67,10 @@ def _merge(results, tp, pp):
 # ---- log-probs ---------------------------------------------------------------------------------------------------
 
 def _logprob_rank(tp):
+    from helpers import gather_vocab_parallel
     from megatron.core import parallel_state as ps
 
     from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
-    from megatron_rl.trainer.policy import gather_vocab_parallel
 
     trainer = _setup(tp, 1)
     batch = _batch()
@@ -221,7 +221,8 @@ def _load_rank(tp, pp, directory):
     return out
 
 
-@pytest.mark.parametrize("save_layout,load_layout", [((2, 1), (1, 1)), ((1, 2), (1, 1))], ids=["tp2-to-tp1", "pp2-to-pp1"])
+@pytest.mark.parametrize("save_layout,load_layout", [((2, 1), (1, 1)), ((1, 2), (1, 1))],
+                         ids=["tp2-to-tp1", "pp2-to-pp1"])
 def test_checkpoint_resumes_under_another_layout(tmp_path, save_layout, load_layout):
     directory = str(tmp_path / "ckpt")
     saved = run_on_ranks(_save_rank, save_layout[0] * save_layout[1], *save_layout, directory)

@@ -4,8 +4,8 @@ what the built-in engine does from the same HF checkpoint. Before the first sync
 report rollouts from its start-up (dummy) weights."""
 
 import torch
-
 from conftest import SPEC
+
 from megatron_rl.launch import run_on_ranks
 from megatron_rl.rollout.engine import LocalEngine
 from megatron_rl.rollout.types import SamplingParams
@@ -18,13 +18,12 @@ def _trainer_tp2_to_sglang_tp2(model_dir, log_dir):
     import torch.distributed as dist
 
     from megatron_rl.ddma.plan import make_plan
-    from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
     from megatron_rl.models import layout as L
+    from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
     from megatron_rl.models.safetensors_io import HFCheckpoint
-    from megatron_rl.rollout.sglang_engine import start_replica_engine
-    from megatron_rl.rollout.sglang_engine import RolloutContractError
+    from megatron_rl.rollout.sglang_engine import RolloutContractError, start_replica_engine
 
     rank = dist.get_rank()
     trainer, generator = TrainerLayout(2, 1, 1, dtype_bytes=4), GeneratorLayout(2, 1, first_rank=2)

@@ -9,13 +9,13 @@ import time
 
 import pytest
 import torch
-
 from conftest import SPEC
+
 from megatron_rl.launch import free_port
 from megatron_rl.models import layout as L
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.rollout.engine import LocalEngine
-from megatron_rl.rollout.sglang_engine import IN_PLACE_SERVER_FLAGS, SGLangEngine, start_replica_engine
+from megatron_rl.rollout.sglang_engine import IN_PLACE_SERVER_FLAGS, start_replica_engine
 from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
 from megatron_rl.rollout.types import LOGPROB_CONVENTION, SamplingParams
 
@@ -198,7 +198,8 @@ def test_a_server_that_keeps_dying_stops_with_its_log(engine):
     time.sleep(100 * per_token)
     os.killpg(engine.server.process.pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(SGLangServerError, match="failed again after 1 restart(.|\n)*exited with code -9(.|\n)*last lines"):
+    with pytest.raises(SGLangServerError,
+                       match="failed again after 1 restart(.|\n)*exited with code -9(.|\n)*last lines"):
         while time.monotonic() - start < 30:
             assert not engine.step(timeout_s=0.5), "the request finished before the server was killed"
     assert time.monotonic() - start < 30

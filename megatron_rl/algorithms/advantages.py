@@ -1,6 +1,7 @@
 """Advantage estimators over groups of responses to the same prompt (critic-free).
 
-The registry `ADVANTAGE_ESTIMATORS` is behind --advantage-estimator. `rewards` [N] and `group_ids` [N] (any integer labels; members of a group need not be adjacent).
+The registry `ADVANTAGE_ESTIMATORS` is behind --advantage-estimator. `rewards` [N] and `group_ids` [N] (any
+integer labels; members of a group need not be adjacent).
 - group baseline (AIPO paper): A = r - mean(group rewards);
 - GRPO: (r - mean) / (std + eps), std the unbiased sample std of the group (as in GRPO implementations);
 - RLOO: A = r - mean of the OTHER members = n / (n - 1) * (r - mean); 0 for a group of one.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.algorithms import checks
+
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor):
     checks.float_tensor("rewards", rewards)

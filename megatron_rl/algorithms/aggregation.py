@@ -9,7 +9,7 @@ DP ranks) so that summing micro-batch losses gives exactly the loss of the whole
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -22,7 +22,8 @@ def bool_mask(name: str, x) -> torch.Tensor:
 def same_shape(reference_name: str, reference: torch.Tensor, **others: torch.Tensor) -> None:
     for name, x in others.items():
         if tuple(x.shape) != tuple(reference.shape):
-            raise ValueError(f"{name} has shape {tuple(x.shape)} but {reference_name} has shape {tuple(reference.shape)}")
+            raise ValueError(f"{name} has shape {tuple(x.shape)} but {reference_name} has shape "
+                             f"{tuple(reference.shape)}")
 
 
 def finite_where(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
@@ -40,4 +41,5 @@ def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tens
         return advantages.unsqueeze(-1).expand_as(like)
     if tuple(advantages.shape) == tuple(like.shape):
         return advantages
-    raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected ({like.shape[0]},) or {tuple(like.shape)}")
+    raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected ({like.shape[0]},) or "
+                     f"{tuple(like.shape)}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ class GateResult:
     def counts(self) -> dict[str, int]:
         return dict(Counter(r for r in self.reasons if r is not None))
 
-    def __and__(self, other: "GateResult") -> "GateResult":
+    def __and__(self, other: GateResult) -> GateResult:
         """Combine two gates over the same items; the first reason found is kept."""
         reasons = [a if a is not None else b for a, b in zip(self.reasons, other.reasons)]
         return GateResult(self.keep & other.keep, reasons)
@@ -59,7 +59,8 @@ def version_gate(trainer_version: int, oldest_behavior_versions: Sequence[int], 
         raise ValueError(f"max_lag (--max-staleness) must be >= 0, got {max_lag}")
     lags = [trainer_version - v for v in oldest_behavior_versions]
     if any(lag < 0 for lag in lags):
-        raise ValueError(f"a behavior version is newer than the trainer version {trainer_version}: {max(oldest_behavior_versions)}")
+        raise ValueError(f"a behavior version is newer than the trainer version {trainer_version}: "
+                         f"{max(oldest_behavior_versions)}")
     reasons = [f"stale: lag {lag} > max staleness {max_lag}" if lag > max_lag else None for lag in lags]
     return GateResult(torch.tensor([r is None for r in reasons], dtype=torch.bool), reasons)
 

@@ -16,7 +16,7 @@ report (the fraction of tokens clipped above / below). A new loss is a function 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

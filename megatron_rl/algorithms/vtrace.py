@@ -44,7 +44,8 @@ def vtrace(
                       terminated=terminated)
     B, T = rewards.shape
     if tuple(values.shape) != (B, T + 1):
-        raise ValueError(f"values must have shape {(B, T + 1)} (one bootstrap value per row), got {tuple(values.shape)}")
+        raise ValueError(f"values must have shape {(B, T + 1)} (one bootstrap value per row), "
+                         f"got {tuple(values.shape)}")
     if valid is None:
         valid = torch.ones_like(terminated)
     checks.bool_mask("valid", valid)

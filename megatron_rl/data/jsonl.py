@@ -37,9 +37,8 @@ class JsonlDataset:
     def _index(self) -> list[int]:
         offsets = []
         with open(self.path, "rb") as f:
-            lineno, offset = 0, 0
-            for raw in f:
-                lineno += 1
+            offset = 0
+            for lineno, raw in enumerate(f, start=1):
                 if raw.strip():
                     _parse(raw, self.path, lineno)
                     offsets.append(offset)

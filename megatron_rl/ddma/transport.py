@@ -15,7 +15,7 @@ class Transport(Protocol):
     bytes_sent: int
     bytes_received: int
 
-    def start(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> "Transfer":
+    def start(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> Transfer:
         """Post a send of each uint8 buffer to its peer and a receive into each uint8 buffer from its peer, all
         at once. Messages between two ranks are matched in the order they are posted on both sides."""
         ...

@@ -26,7 +26,7 @@ Layout facts encoded here (checked against Megatron-Core 0.16 and SGLang 0.5):
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -85,9 +85,11 @@ class SafetensorsFile:
         while got < nbytes:
             n = os.preadv(fd, [view[got:]], self._data_start + offset + got)
             if n <= 0:
-                raise IOError(f"{self.path}: file ends before the data of a tensor")
+                raise OSError(f"{self.path}: file ends before the data of a tensor")
             got += n
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
 
     def read(self, name: str, dim: int = 0, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Tensor `name`, restricted to [start, stop) along `dim` (0 or 1)."""
@@ -129,7 +131,7 @@ class HFCheckpoint:
         self._file_of: dict[str, SafetensorsFile] = {}
         for name in files:
             st = SafetensorsFile(os.path.join(directory, name))
-            for key in st.keys():
+            for key in st:
                 self._file_of[key] = st
 
     def keys(self) -> list[str]:

@@ -76,7 +76,7 @@ class ModelSpec:
         other's agree on all of them (checkpoints, generators and DDMA plans compare these)."""
         return {f: getattr(self, f) for f in self.WEIGHT_FIELDS}
 
-    def replace(self, **changes) -> "ModelSpec":
+    def replace(self, **changes) -> ModelSpec:
         return dataclasses.replace(self, **changes)
 
     # ---- HF config.json <-> spec -------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class ModelSpec:
         return config
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any], name: str | None = None) -> "ModelSpec":
+    def from_hf_config(cls, config: dict[str, Any], name: str | None = None) -> ModelSpec:
         model_type = config.get("model_type")
         arch = next((a for a, v in ARCHITECTURES.items() if v["model_type"] == model_type), None)
         if arch is None:
@@ -136,7 +136,8 @@ class ModelSpec:
             if kind == "default":
                 rope_scaling = None
             elif kind != "llama3":
-                raise ValueError(f"config.json field 'rope_scaling': only rope_type 'llama3' is supported, got {kind!r}")
+                raise ValueError(f"config.json field 'rope_scaling': only rope_type 'llama3' is supported, "
+                                 f"got {kind!r}")
         rope_theta = config.get("rope_theta")
         if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
             rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)

@@ -9,12 +9,14 @@ exception inside the function is reported as "error" with its traceback. Each lo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
-from typing import Any, Callable, Sequence
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -120,10 +122,8 @@ class WorkerPool:
 
     def close(self) -> None:
         for w in self._workers:
-            try:
+            with contextlib.suppress(OSError, BrokenPipeError):
                 w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
             w.process.join(timeout=2)
             w.kill()
 

@@ -9,7 +9,7 @@ add an entry here.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_rl.rewards.math import MathScorer
 from megatron_rl.rewards.result import RewardResult

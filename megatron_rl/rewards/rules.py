@@ -7,7 +7,7 @@ plain functions of one response; `combine` adds weighted terms to a base reward 
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_rl.rewards.result import RewardResult
 

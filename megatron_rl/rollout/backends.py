@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl.models import layout as L
-from megatron_rl.models.spec import ModelSpec
 from megatron_rl.models.fp8 import SCALE_SUFFIX, dequantize_block_fp8, is_fp8_weight, quantize_block_fp8, scale_shape
+from megatron_rl.models.spec import ModelSpec
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:

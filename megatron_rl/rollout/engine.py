@@ -1,6 +1,6 @@
 """LocalEngine: the built-in rollout engine, with SGLang's request semantics and weight layout.
 
-Semantics kept identical to SGLang (shared/notes/sglang.md): per-token behavior log-probs after temperature
+Semantics kept identical to SGLang's: per-token behavior log-probs after temperature
 and before top-k/top-p; per-token weight versions; finish reasons "stop" / "length" / "abort"; pause with
 mode "abort" (in-flight requests return their partial output), "retract" (they go back to the queue, keep
 what they generated, and resume under the new weights with their KV cache recomputed by them) or "in_place"
@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,7 @@ class LocalEngine:
     @classmethod
     def from_hf(cls, hf_dir: str, tp_size: int = 1, group=None, dtype: torch.dtype = torch.float32,
                 fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512, seed: int = 0,
-                chunk_tokens: int | None = None) -> "LocalEngine":
+                chunk_tokens: int | None = None) -> LocalEngine:
         """Load an HF checkpoint. tp_size > 1: call on every rank of `group` (default: the whole world)."""
         ckpt = HFCheckpoint(hf_dir)
         spec = ModelSpec.from_hf_config(ckpt.config)
@@ -161,7 +161,8 @@ class LocalEngine:
             width = max(len(t) for t in prefixes)
             tokens = torch.tensor([t + [0] * (width - len(t)) for t in prefixes])
             lengths = torch.tensor([len(t) for t in prefixes])
-            logits = self.decoder.forward([r.slot for r in admitted], tokens, torch.zeros(len(admitted), dtype=torch.long))
+            starts = torch.zeros(len(admitted), dtype=torch.long)
+            logits = self.decoder.forward([r.slot for r in admitted], tokens, starts)
             next_logits.append(logits[torch.arange(len(admitted)), lengths - 1])
             for r, t in zip(admitted, prefixes):
                 r.cached = len(t)

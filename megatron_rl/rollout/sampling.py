@@ -8,7 +8,7 @@ depend on its seed only, never on which requests share its batch or on the TP ra
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

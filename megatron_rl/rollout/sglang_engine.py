@@ -27,7 +27,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

@@ -8,6 +8,7 @@ from `--sglang-<flag>` on the megatron-rl command line, passed through unchanged
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ class SGLangServerError(RuntimeError):
     """The SGLang server died, never came up, answered with an error, or serves the wrong thing."""
 
 
-# Server flags for SGLang's torch-native code paths on CPU (shared/notes/sglang.md).
+# Server flags for SGLang's torch-native code paths on CPU (no CUDA graphs, no compiled grammar backend).
 CPU_FLAGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
              "grammar_backend": "none"}
 
@@ -81,7 +82,7 @@ class SGLangServer:
     @classmethod
     def launch(cls, model_path: str, tp_size: int, port: int, log_path: str, dtype: str = "float32",
                max_total_tokens: int = 65536, extra_flags: dict | None = None, load_format: str = "dummy",
-               host: str = "127.0.0.1", timeout_s: float = 600.0) -> "SGLangServer":
+               host: str = "127.0.0.1", timeout_s: float = 600.0) -> SGLangServer:
         """`load_format="dummy"` starts with random weights, reported as weight version -1 until the first
         update; any other format loads the checkpoint, served as version 0. `max_total_tokens` sizes the
         KV cache: on CPU SGLang cannot measure the memory free per rank and would otherwise size it from
@@ -124,7 +125,7 @@ class SGLangServer:
             raise
 
     @classmethod
-    def attach(cls, url: str, timeout_s: float = 60.0) -> "SGLangServer":
+    def attach(cls, url: str, timeout_s: float = 60.0) -> SGLangServer:
         server = cls(url, timeout_s=timeout_s)
         server.wait_ready(timeout_s)
         return server
@@ -181,10 +182,8 @@ class SGLangServer:
             response = self.http.request(method, self.url + path, json=body, timeout=timeout)
         except requests.RequestException as e:
             if self.process is not None:  # a dropped connection is often the first sign of a dying server
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(5.0)
-                except subprocess.TimeoutExpired:
-                    pass
             self.raise_if_dead(f"during {path}")
             raise SGLangServerError(f"SGLang server {self.url}{path}: {type(e).__name__}: {e}"
                                     + self._tail_text()) from e
@@ -224,8 +223,6 @@ class SGLangServer:
                 self.process.wait(timeout_s)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
-        try:  # whatever is left of the group, including children of a leader that already exited
+        with contextlib.suppress(ProcessLookupError):  # what is left of the group, a dead leader's children too
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.process.wait()

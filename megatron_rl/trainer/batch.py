@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ class TrainBatch:
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                        behavior_logprobs: Sequence[Sequence[float]], advantages: Sequence[float],
                        response_masks: Sequence[Sequence[bool]] | None = None, pad_id: int = 0,
-                       pad_to_multiple_of: int = 1) -> "TrainBatch":
+                       pad_to_multiple_of: int = 1) -> TrainBatch:
         """Pack prompt/response pairs. `response_masks[i][j]` False excludes response token j (observation
         tokens of a tool call, say) from the loss."""
         n = len(prompts)
@@ -68,12 +68,12 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def rows(self, index: slice) -> "TrainBatch":
+    def rows(self, index: slice) -> TrainBatch:
         return TrainBatch(self.tokens[index], self.loss_mask[index], self.behavior_logprobs[index],
                           self.advantages[index], None if self.ref_logprobs is None else self.ref_logprobs[index])
 
     @classmethod
-    def from_groups(cls, groups: list[list], advantage_estimator: str) -> "TrainBatch":
+    def from_groups(cls, groups: list[list], advantage_estimator: str) -> TrainBatch:
         """Buffer groups (lists of `buffer.Rollout`, one list per prompt) with advantages within each group."""
         rollouts = [r for g in groups for r in g]
         rewards = torch.tensor([r.reward.reward for r in rollouts], dtype=torch.float32)

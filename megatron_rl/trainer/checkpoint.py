@@ -1,8 +1,8 @@
 """Distributed checkpoints of the trainer (model, optimizer, scheduler, step) with Megatron-Core's
 `dist_checkpointing`: saved under one TP/PP layout, loadable under another.
 
-The optimizer state is saved "fully_reshardable" (see shared/notes/megatron-core-cpu.md: the default
-sharding type fails on CPU and `dp_reshardable` resumed with a wrong loss).
+The optimizer state is saved "fully_reshardable": on CPU the default sharding type fails, and
+`dp_reshardable` resumed with a wrong loss.
 """
 
 from __future__ import annotations

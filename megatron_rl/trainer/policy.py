@@ -10,7 +10,8 @@ exactly what Megatron's schedule (divides by micro-batches) and DDP (averages ov
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -152,11 +153,5 @@ def optimizer_step(policy: Policy) -> dict[str, float]:
         success, grad_norm = False, None
     policy.model.zero_grad_buffer()
     policy.optimizer.zero_grad()
-    return {"update_successful": bool(success), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
-
-
-def gather_vocab_parallel(logits: torch.Tensor) -> torch.Tensor:
-    """All-gather TP vocab shards of the last dim (for tests and evaluation; training never does this)."""
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    return gather_from_tensor_model_parallel_region(logits.contiguous())
+    return {"update_successful": bool(success),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}

@@ -8,9 +8,9 @@ the same for any TP / PP / DP layout and any micro-batch size.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from megatron_rl.algorithms import AlgorithmConfig
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
 from megatron_rl.trainer.policy import Policy, optimizer_step, run_microbatches
+
 
 def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch.Tensor], vocab_size: int,
                 normalizer: float) -> tuple[torch.Tensor, dict[str, Any]]:
