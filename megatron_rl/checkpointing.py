@@ -2,7 +2,7 @@
 dist checkpoint, per-rank RNG states (`rng/rankNNNNN.pt`) and the controller's `rl_state.json`, and the tracker
 `latest_checkpointed_iteration.txt`, which moves last, so a crash at any point of a save leaves the previous
 checkpoint the latest. Also: the start-up check of a `--load` directory, cutting the run's JSONL logs back to
-the resumed step, and fault injection points for the crash tests (`MEGATRON_RL_FAILPOINT=name:step`)."""
+the resumed step."""
 
 from __future__ import annotations
 
@@ -10,22 +10,14 @@ import json
 import os
 import random
 import shutil
-import signal
 
 import numpy as np
 import torch
 
+from megatron_rl import failpoints
 from megatron_rl.models.spec import ModelSpec
 
 TRACKER_FILE, RL_STATE_FILE = "latest_checkpointed_iteration.txt", "rl_state.json"
-FAILPOINT_ENV = "MEGATRON_RL_FAILPOINT"
-
-
-def failpoint(name: str, step: int) -> None:
-    """SIGKILL this process here when MEGATRON_RL_FAILPOINT is `name:step`: a crash at an exact point of the
-    run, for the reliability tests (a kill sent from outside lands wherever the run happens to be)."""
-    if os.environ.get(FAILPOINT_ENV) == f"{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def save_rl_checkpoint(directory: str, step: int, trainer, rl_state: dict) -> None:
@@ -37,11 +29,11 @@ def save_rl_checkpoint(directory: str, step: int, trainer, rl_state: dict) -> No
     shutil.rmtree(partial, ignore_errors=True)
     trainer.command("save", (partial, {"step": step}))
     write_durably(os.path.join(partial, RL_STATE_FILE), json.dumps({"step": step, **rl_state}))
-    failpoint("checkpoint-partial", step)
+    failpoints.crash("checkpoint-partial", step)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     publish_tracker(directory, step)
-    failpoint("checkpoint-saved", step)
+    failpoints.crash("checkpoint-saved", step)
 
 
 def load_rl_checkpoint(directory: str, trainer) -> dict:

@@ -1,25 +1,18 @@
 """The single controller's loop (LlamaRL figure 2), on trainer rank 0.
 
 Each step: prompts go to the generators; their rollouts come back a group at a time, are scored by the reward
-stage and wait in the rollout buffer; a batch of complete groups passes the buffer's gates, becomes advantages
-and a `TrainBatch`, and the trainer executor takes an optimizer step on every trainer rank; DDMA then publishes
-the new weight version to the generators. Data flows one way: prompts -> generators -> reward -> buffer ->
-trainer -> DDMA -> generators.
+stage and wait in the rollout buffer; complete groups pass the buffer's gates and become a `TrainBatch`; the
+trainer executor takes an optimizer step on every trainer rank; DDMA publishes the new weight version.
+Asynchronous steps (--async-mode on, or alternate) dispatch the next step's prompts before training, so
+generation overlaps training (generators pause in-flight requests for each update and resume them: partial
+rollouts); synchronous steps dispatch them only after the new weights are published (on-policy).
 
-Asynchronous mode (--async-mode on): the next step's prompts are dispatched before the trainer trains, so
-generation overlaps training; the generators pause in-flight requests (--rollout-pause-mode), take the new
-weights between two decode steps and resume them (partial rollouts: tokens keep the version that produced them).
-Synchronous mode (off) is the same loop with prompts dispatched only after the new weights are published: every
-rollout is on-policy. `alternate` switches every --async-alternate-steps steps (each metrics row says which), so
-that a machine whose speed drifts compares both within seconds.
-
-The controller talks to the trainer through `trainer.command(name, payload)` and to the generators through two
+The controller reaches the trainer through `trainer.command(name, payload)` and the generators through two
 channels; `train.run` builds it beside the executors, so it owns none of them (tests drive it with fakes).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import time
@@ -28,7 +21,7 @@ from collections import Counter, defaultdict
 from megatron_rl import checkpointing
 from megatron_rl.buffer import Rollout, RolloutBuffer
 from megatron_rl.data.source import PromptSource
-from megatron_rl.logging import MetricsLogger, RolloutLog, StepTimes, generator_totals, step_metrics
+from megatron_rl.logging import MetricsLogger, RolloutLog, StepTimes, generator_totals, step_metrics, write_json
 from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.failures import RewardFailures
 from megatron_rl.rewards.stage import RewardStage
@@ -49,6 +42,9 @@ class Controller:
         self.reward_fn = build_reward_fn(args.reward_fn, args.reward_num_workers, args.reward_timeout)
         self.stage = RewardStage(rollouts, self.tokenizer, self.reward_fn, len(leaders))
         self.prompts_per_step = args.global_batch_size // args.n_samples_per_prompt
+        self.rl_params = {"temperature": args.rollout_temperature, "top_k": args.rollout_top_k,
+                          "top_p": args.rollout_top_p, "max_new_tokens": args.rollout_max_response_len,
+                          "stop_token_ids": (self.tokenizer.eos_token_id,)}
         self.inflight: dict[str, dict] = {}  # RL prompts dispatched whose group has not left the buffer, by id
         self.dispatched: Counter = Counter()  # prompt id -> times dispatched (each prompt exactly once)
         self.eval_rewards: dict[str, float] = {}
@@ -93,16 +89,11 @@ class Controller:
         for leader, requests in by_leader.items():
             self.control.send(("requests", requests), leader)
 
-    def rl_params(self) -> dict:
-        a = self.args
-        return {"temperature": a.rollout_temperature, "top_k": a.rollout_top_k, "top_p": a.rollout_top_p,
-                "max_new_tokens": a.rollout_max_response_len, "stop_token_ids": (self.tokenizer.eos_token_id,)}
-
     def top_up(self, target: int) -> None:
         """Keep `target` RL prompts in flight."""
         if target > len(self.inflight):
             self.dispatch(self.source.next(target - len(self.inflight)), self.args.n_samples_per_prompt,
-                          self.rl_params())
+                          self.rl_params)
 
     def receive(self, times: StepTimes | None = None, block: bool = True) -> bool:
         """Buffer the rollouts of one scored message from the reward stage. `block=False`: only if one is ready;
@@ -161,7 +152,7 @@ class Controller:
         lost = {pid: [k for k in range(n) if k not in self.buffer.sample_indices(pid)] for pid in self.inflight}
         lost = {pid: ks for pid, ks in lost.items() if ks}
         for pid, samples in lost.items():
-            self.dispatch([self.inflight[pid]], samples, self.rl_params(), resent=True)
+            self.dispatch([self.inflight[pid]], samples, self.rl_params, resent=True)
             for k in samples if self.rollout_log is not None else ():
                 self.rollout_log.resent(step, pid, k)
         print(f"resumed at step {step}: {self.buffer.pending()} buffered rollouts kept, "
@@ -287,13 +278,12 @@ class Controller:
                             lag=max(map(int, metrics["staleness_histogram"]), default=0))
         accuracy_after = self.evaluate()
         print(f"held-out accuracy after RL: {accuracy_after:.3f}", flush=True)
-        with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
-            json.dump({"accuracy_before_rl": accuracy_before, "accuracy_after_rl": accuracy_after,
-                       "eval_size": args.eval_size, "train_iters": args.train_iters, "async_mode": args.async_mode,
-                       "rl_seconds": time.time() - run_start, "prompts_dispatched": len(self.dispatched),
-                       "prompts_dispatched_more_than_once": sum(c > 1 for c in self.dispatched.values()),
-                       "prompts_in_flight_at_end": len(self.inflight), "discards": dict(self.buffer.discards)},
-                      f, indent=2)
+        write_json(os.path.join(args.output_dir, "eval.json"), {
+            "accuracy_before_rl": accuracy_before, "accuracy_after_rl": accuracy_after, "eval_size": args.eval_size,
+            "train_iters": args.train_iters, "async_mode": args.async_mode, "rl_seconds": time.time() - run_start,
+            "prompts_dispatched": len(self.dispatched), "discards": dict(self.buffer.discards),
+            "prompts_dispatched_more_than_once": sum(c > 1 for c in self.dispatched.values()),
+            "prompts_in_flight_at_end": len(self.inflight)})
 
     def shutdown(self) -> None:
         """Stop the generators, drain what they still send until each says it stopped, close the logs."""

@@ -12,6 +12,11 @@ import os
 from megatron_rl.algorithms.diagnostics import lag_summary
 
 
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
 def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
     out = {}
     for k, v in metrics.items():

@@ -310,3 +310,40 @@ def test_diagnostics_on_and_off_policy():
     assert off["kl_behavior_current"] == pytest.approx(float((ratios - 1 - ratios.log()).mean()))
     assert off["log_ratio_abs_max"] == pytest.approx(math.log(4.0))
     assert lag_histogram(5, [5, 4, 4, 2]) == {0: 1, 1: 2, 3: 1}
+
+
+# ---- registries ------------------------------------------------------------------------------------------------
+
+def _readme_loss(x, config):
+    """The new-loss example of the README, verbatim: AIPO written from scratch."""
+    ratio = torch.exp(x.logprobs.detach() - x.behavior_logprobs).clamp(max=config.rho)
+    return aggregate(-ratio * x.advantages[:, None] * x.logprobs, x.loss_mask, **x.aggregation)
+
+
+def test_a_registered_loss_is_selectable_and_the_readme_example_is_aipo(monkeypatch):
+    from megatron_rl.algorithms import LOSSES, AlgorithmConfig, Loss, LossInputs
+
+    monkeypatch.setitem(LOSSES, "my-loss", Loss(_readme_loss, clip_bounds=lambda c: (None, c.rho)))
+    mine, aipo = AlgorithmConfig(loss="my-loss", rho=2.0), AlgorithmConfig(loss="aipo", rho=2.0)
+    grads = []
+    for config in (mine, aipo):
+        lp, blp, adv, mask = _batch()
+        aggregation = {"aggregation": "token-mean", "normalizer": 7.0, "constant": None}
+        LOSSES[config.loss].compute(LossInputs(lp, blp, adv, mask, aggregation), config).backward()
+        grads.append(lp.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-12, rtol=0)
+    assert LOSSES["my-loss"].clip_bounds(mine) == LOSSES["aipo"].clip_bounds(aipo) == (None, 2.0)
+    with pytest.raises(ValueError, match=r"--loss 'nope' is unknown; choose one of \[.*'my-loss'"):
+        AlgorithmConfig(loss="nope")
+
+
+def test_flag_choices_are_the_registries_names():
+    from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, POLICY_LOSSES
+    from megatron_rl.arguments import build_parser
+    from megatron_rl.rollout.backends import ENGINE_BACKENDS
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    assert list(actions["loss"].choices) == POLICY_LOSSES and "sft" not in POLICY_LOSSES
+    assert set(actions["advantage_estimator"].choices) == set(ADVANTAGE_ESTIMATORS)
+    assert set(actions["loss_aggregation"].choices) == set(AGGREGATIONS)
+    assert set(actions["rollout_backend"].choices) == set(ENGINE_BACKENDS) == {"local", "sglang"}

@@ -155,7 +155,7 @@ def test_bad_layout_and_existing_output_are_refused(tmp_path):
     save_random_hf_model(LLAMA, hf_dir)
     r = _tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--save", str(tmp_path / "m"),
               "--target-tensor-parallel-size", "4")
-    assert r.returncode == 2 and "trainer TP=4 does not divide model" in r.stderr
+    assert r.returncode == 2 and "trainer TP=4 (--target-tensor-parallel-size) does not divide model" in r.stderr
     (tmp_path / "m").mkdir()
     r = _tool("convert_hf_to_megatron.py", "--hf-dir", str(hf_dir), "--save", str(tmp_path / "m"))
     assert r.returncode == 2 and "already exists" in r.stderr

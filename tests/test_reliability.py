@@ -17,12 +17,12 @@ SMALL = ["--sft-warmup-iters", "2", "--train-iters", "8", "--eval-size", "8", "-
 
 
 def _start(out, *flags, failpoint=None):
-    from megatron_rl.checkpointing import FAILPOINT_ENV
+    from megatron_rl import failpoints
     from megatron_rl.launch import free_port
 
     env = {**os.environ, "OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     if failpoint:
-        env[FAILPOINT_ENV] = failpoint  # the controller's rank SIGKILLs itself there; torchrun ends the rest
+        env[failpoints.ENV] = failpoint  # the controller's rank SIGKILLs itself there; torchrun ends the rest
     log = open(out.parent / f"{out.name}-{time.monotonic_ns()}.log", "w")
     return subprocess.Popen(["bash", "examples/run_tiny_aipo.sh", *SMALL, *flags], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log.name

@@ -3,11 +3,13 @@ same greedy tokens and log-probs, the same log-prob convention for sampled token
 resume under new weights (retracted, or paused in place) with per-token versions, clear errors for a
 mismatched, unreachable or dead server."""
 
+import json
 import os
 import signal
 import time
 
 import pytest
+import requests
 import torch
 from conftest import SPEC
 
@@ -15,7 +17,12 @@ from megatron_rl.launch import free_port
 from megatron_rl.models import layout as L
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.rollout.engine import LocalEngine
-from megatron_rl.rollout.sglang_engine import IN_PLACE_SERVER_FLAGS, start_replica_engine
+from megatron_rl.rollout.sglang_engine import (
+    IN_PLACE_SERVER_FLAGS,
+    parse_generate_response,
+    sglang_sampling_params,
+    start_replica_engine,
+)
 from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
 from megatron_rl.rollout.types import LOGPROB_CONVENTION, SamplingParams
 
@@ -74,12 +81,6 @@ def _runtime_shards(path, tp=1, rank=0):
     return [(name, L.assemble(shard, reader.get_slice)) for name, shard in L.sglang_shards(SPEC, tp, rank).items()]
 
 
-def _seconds_per_token(engine) -> float:
-    start = time.monotonic()
-    engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True))
-    return (time.monotonic() - start) / 200
-
-
 def _swap_weights(engine, path, mode, version):
     """Pause (`mode`), load the checkpoint at `path` as `version`, continue."""
     engine.pause(mode)
@@ -90,17 +91,23 @@ def _swap_weights(engine, path, mode, version):
 
 
 def _swap_mid_request(engine, prompt, new_tokens, tokens_before, path, mode):
-    """Start a greedy request, let it generate about `tokens_before` tokens, swap to `path` as version 1;
-    returns the request's output."""
+    """A greedy request, streamed from the server; once the server reports `tokens_before` generated tokens,
+    swap to `path` as version 1 (`mode` pause). Returns the request's output, parsed as the engine parses it."""
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    per_token = _seconds_per_token(engine)
-    engine.add_request(prompt, params, "swapped")
-    time.sleep(tokens_before * per_token)
-    _swap_weights(engine, path, mode, version=1)
-    out = None
-    while out is None:
-        out = next(iter(engine.step(timeout_s=1.0)), None)
-    return out
+    body = {"input_ids": list(prompt), "sampling_params": sglang_sampling_params(params), "return_logprob": True,
+            "rid": "swapped", "stream": True}
+    last, swapped = None, False
+    with requests.post(engine.server.url + "/generate", json=body, stream=True, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            last = json.loads(line[5:])  # cumulative: every chunk holds the whole output so far
+            if not swapped and last["meta_info"]["completion_tokens"] >= tokens_before:
+                _swap_weights(engine, path, mode, version=1)
+                swapped = True
+    assert swapped, "the request finished before the swap"
+    return parse_generate_response("swapped", list(prompt), last)
 
 
 def test_retract_resumes_an_inflight_request_under_new_weights(engine, model_a, model_b):
@@ -175,31 +182,34 @@ def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path):
 
 
 def test_a_server_that_dies_is_restarted_resynced_and_its_requests_rerun(engine, model_b):
-    """Runs after the retract test: the engine serves model B as version 1, the server's disk holds model A."""
+    """The engine serves model B as version 1 while the server's disk holds model A; the server is killed with a
+    request pending (added, not finished: 400 tokens take seconds, the kill follows at once)."""
+    _swap_weights(engine, model_b, "retract", version=1)
+    restarts, reruns = engine.restarts, engine.rerun_requests
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
-    per_token = _seconds_per_token(engine)
     engine.add_request(PROMPTS[2], params, "killed")
-    time.sleep(100 * per_token)
     os.killpg(engine.server.process.pid, signal.SIGKILL)
     out = None
     while out is None:
         out = next(iter(engine.step(timeout_s=1.0)), None)
-    assert engine.restarts == 1 and engine.rerun_requests == 1
+    assert engine.restarts == restarts + 1 and engine.rerun_requests == reruns + 1
     # re-run from its prompt under the re-sent weights (model B, version 1), not the disk's model A
     want = reference(model_b).generate([PROMPTS[2]], params)[0]
     assert out.request_id == "killed" and out.token_ids == want.token_ids and out.versions == [1] * 400
 
 
-def test_a_server_that_keeps_dying_stops_with_its_log(engine):
-    """Runs last in this module: it kills the module's server for good."""
-    engine.max_restarts = engine.restarts
-    per_token = _seconds_per_token(engine)
-    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=1500, ignore_eos=True), "doomed")
-    time.sleep(100 * per_token)
-    os.killpg(engine.server.process.pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(SGLangServerError,
-                       match="failed again after 1 restart(.|\n)*exited with code -9(.|\n)*last lines"):
-        while time.monotonic() - start < 30:
-            assert not engine.step(timeout_s=0.5), "the request finished before the server was killed"
-    assert time.monotonic() - start < 30
+def test_a_server_that_keeps_dying_stops_with_its_log(model_a, tmp_path):
+    """A server of its own (it is killed for good), allowed no restart."""
+    engine = start_replica_engine(SPEC, 1, None, True, model_a, str(tmp_path / "server.log"), load_format="auto",
+                                  max_restarts=0)
+    try:
+        engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=1500, ignore_eos=True), "doomed")
+        os.killpg(engine.server.process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(SGLangServerError,
+                           match="failed again after 0 restart(.|\n)*exited with code -9(.|\n)*last lines"):
+            while time.monotonic() - start < 30:
+                assert not engine.step(timeout_s=0.5), "the request finished although its server was killed"
+        assert time.monotonic() - start < 30
+    finally:
+        engine.shutdown()

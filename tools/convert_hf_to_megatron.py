@@ -41,7 +41,10 @@ def main(argv=None) -> int:
         meta = hf_to_megatron(args.hf_dir, args.save, layout, args.megatron_format, args.overwrite,
                               not args.no_progress)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # The layout's errors name the trainer's flags; this tool's are the --target-* ones.
+        message = str(e).replace("--tensor-model-parallel-size", "--target-tensor-parallel-size") \
+            .replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size")
+        print(f"error: {message}", file=sys.stderr)
         return 2
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"wrote {args.save} ({meta['format']}, TP={meta['tensor_parallel_size']}, "

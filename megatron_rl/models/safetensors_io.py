@@ -131,7 +131,7 @@ class HFCheckpoint:
         self._file_of: dict[str, SafetensorsFile] = {}
         for name in files:
             st = SafetensorsFile(os.path.join(directory, name))
-            for key in st:
+            for key in st.keys():  # noqa: SIM118 - SafetensorsFile is not iterable
                 self._file_of[key] = st
 
     def keys(self) -> list[str]:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import signal
 import time
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl import failpoints
 from megatron_rl.models.spec import ModelSpec
 from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
 from megatron_rl.rollout.types import LOGPROB_CONVENTION, PAUSE_MODES, RolloutOutput, SamplingParams
@@ -277,6 +279,8 @@ class SGLangEngine:
         if status[0] is not None:
             raise SGLangServerError(f"SGLang weight update to version {version} failed: {status[0]}")
         self.weight_version = version
+        if self.is_leader and failpoints.armed("sglang-server-crash", version):  # crash tests: the server dies
+            os.killpg(self.server.process.pid, signal.SIGKILL)
         # The server copied every shard; this rank keeps its own (one copy of its shard in host memory) so that a
         # restarted server can be given the serving weights without the trainer.
         self._serving = (staged, handles)
