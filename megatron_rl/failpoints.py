@@ -15,6 +15,10 @@ def armed(name: str, step: int) -> bool:
 
 
 def crash(name: str, step: int) -> None:
-    """SIGKILL this process here when the point is armed."""
+    """SIGKILL this process here when the point is armed, with the processes it started when it leads their
+    process group (a torchrun worker does): a crashed machine leaves no helper process behind (Megatron's
+    checkpoint writer keeps a multiprocessing Manager server, the reward pool its workers)."""
     if armed(name, step):
+        if os.getpgid(0) == os.getpid():
+            os.killpg(0, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
