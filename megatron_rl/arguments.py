@@ -1,7 +1,8 @@
 """Megatron-style command line: Megatron-LM's flag names and meanings where a Megatron flag exists, grouped
 like Megatron's, plus the RL groups (rollout, algorithm, reward, data, DDMA). Every SGLang server flag passes
 through as --sglang-<flag> (collected into `args.sglang`). The choices of --loss, --advantage-estimator,
---loss-aggregation, --rollout-backend and --reward-fn are the names in their registries. Validation at start
+--loss-aggregation and --rollout-backend are the names in their registries (--reward-fn: a registered name or
+module:function, checked by the run setup). Validation at start
 names flags and values."""
 
 from __future__ import annotations
@@ -260,6 +261,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"{flag} must be >= 1, got {value}")
 
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
+                 "--log-interval",
                  "--global-batch-size", "--rollout-tensor-parallel-size", "--rollout-num-replicas",
                  "--n-samples-per-prompt", "--rollout-max-response-len", "--reward-timeout",
                  "--async-alternate-steps"):
@@ -274,6 +276,12 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.async_mode != "off" and args.max_staleness < 1:
         parser.error(f"--async-mode {args.async_mode} trains on rollouts one version old: --max-staleness must be "
                      f">= 1, got {args.max_staleness} (or use --async-mode off)")
+    if args.sft_warmup_iters and args.data_path:
+        parser.error("--sft-warmup-iters needs the arithmetic task (it has answers to imitate); drop it or "
+                     "--data-path")
+    if args.kl_coef:
+        parser.error(f"--kl-coef {args.kl_coef}: the KL penalty needs a reference policy's log-probs, which runs "
+                     "do not compute yet; use --kl-coef 0")
     if args.save_interval and not args.save:
         parser.error("--save-interval needs --save")
     if args.rollout_backend == "sglang":

@@ -64,10 +64,6 @@ class Batch:
     sampled_rewards: list = dataclasses.field(default_factory=list)  # of every popped rollout with a reward
     outcomes: list = dataclasses.field(default_factory=list)  # (rollout, None if trained else the reason)
 
-    @property
-    def rollouts(self) -> list[Rollout]:
-        return [r for g in self.groups for r in g]
-
 
 class RolloutBuffer:
     def __init__(self, group_size: int, max_staleness: int, drop_uniform_groups: bool = True):

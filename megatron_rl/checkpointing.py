@@ -18,6 +18,8 @@ from megatron_rl import failpoints
 from megatron_rl.models.spec import ModelSpec
 
 TRACKER_FILE, RL_STATE_FILE = "latest_checkpointed_iteration.txt", "rl_state.json"
+# 2: the controller's whole state in rl_state.json, rollouts as {output, meta, reward}, the trainer's layer spec.
+RL_STATE_FORMAT = 2
 
 
 def save_rl_checkpoint(directory: str, step: int, trainer, rl_state: dict) -> None:
@@ -28,7 +30,8 @@ def save_rl_checkpoint(directory: str, step: int, trainer, rl_state: dict) -> No
     partial = final + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     trainer.command("save", (partial, {"step": step}))
-    write_durably(os.path.join(partial, RL_STATE_FILE), json.dumps({"step": step, **rl_state}))
+    write_durably(os.path.join(partial, RL_STATE_FILE),
+                  json.dumps({"format": RL_STATE_FORMAT, "step": step, **rl_state}))
     failpoints.crash("checkpoint-partial", step)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
@@ -70,12 +73,17 @@ def read_rl_state(directory: str, step: int) -> dict:
         raise ValueError(f"--load {directory!r}: cannot read {path} ({e})") from None
     if not isinstance(state, dict) or not {"step", "buffer", "inflight", "model"} <= set(state):
         raise ValueError(f"--load {directory!r}: {path} is not an RL state file of this project")
+    if state.get("format") != RL_STATE_FORMAT:
+        raise ValueError(f"--load {directory!r}: {path} has RL state format {state.get('format', 1)}, this version "
+                         f"reads format {RL_STATE_FORMAT} (resume it with the megatron-rl version that wrote it, or "
+                         "start a new run from its weights)")
     return state
 
 
-def check_checkpoint(directory: str, spec: ModelSpec) -> int:
+def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str) -> int:
     """Everything that can be checked before any work: the tracker, the step's directory, the trainer's dist
-    checkpoint metadata, the controller state, and that the saved model is this run's. Returns the step."""
+    checkpoint metadata, the controller state, and that the saved model and layer spec (whose parameter names
+    the trainer's checkpoint uses) are this run's. Returns the step."""
     step = latest_checkpoint_step(directory)
     path = iteration_dir(directory, step)
     if not os.path.isdir(path):
@@ -83,7 +91,11 @@ def check_checkpoint(directory: str, spec: ModelSpec) -> int:
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise ValueError(f"--load {directory!r}: {os.path.basename(path)} is not a complete trainer checkpoint "
                          "(no metadata.json)")
-    saved = read_rl_state(directory, step)["model"]
+    state = read_rl_state(directory, step)
+    if state.get("transformer_impl") != transformer_impl:
+        raise ValueError(f"--load {directory!r}: the checkpoint was saved with --transformer-impl "
+                         f"{state.get('transformer_impl')}, this run uses {transformer_impl}")
+    saved = state["model"]
     for field, value in spec.weight_fields().items():
         if saved.get(field) != value:
             raise ValueError(f"--load {directory!r}: the saved model has {field} {saved.get(field)}, this run's is "

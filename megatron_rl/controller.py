@@ -273,7 +273,8 @@ class Controller:
                 self.logger.log(step, metrics)
             if args.save and args.save_interval and step % args.save_interval == 0:
                 checkpointing.save_rl_checkpoint(args.save, step, self.trainer,
-                                                 {"model": self.spec.weight_fields(), **self.state_dict()})
+                                                 {"model": self.spec.weight_fields(), **self.state_dict(),
+                                                  "transformer_impl": args.transformer_impl})
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
                             lag=max(map(int, metrics["staleness_histogram"]), default=0))
         accuracy_after = self.evaluate()
@@ -286,15 +287,17 @@ class Controller:
             "prompts_in_flight_at_end": len(self.inflight)})
 
     def shutdown(self) -> None:
-        """Stop the generators, drain what they still send until each says it stopped, close the logs."""
-        for leader in self.leaders:
-            self.control.send(("stop", None), leader)
-        while self._stopped < len(self.leaders):
-            self.receive()
-        self.control.flush()
-        self.logger.close()
-        if self.rollout_log is not None:
-            self.rollout_log.close()
-        close = getattr(self.reward_fn, "close", None)
-        if close is not None:
-            close()
+        """Stop the generators, drop what they still send until each says it stopped, close the logs."""
+        try:
+            for leader in self.leaders:
+                self.control.send(("stop", None), leader)
+            while self._stopped < len(self.leaders):
+                self._stopped += self.stage.get(self.args.generator_timeout).kind == "stopped"
+            self.control.flush()
+        finally:
+            self.logger.close()
+            if self.rollout_log is not None:
+                self.rollout_log.close()
+            close = getattr(self.reward_fn, "close", None)
+            if close is not None:
+                close()

@@ -5,7 +5,8 @@ A Megatron checkpoint directory written here holds `megatron_rl.json` (the HF co
 the format) and the weights in one of two formats:
 
 - `safetensors` (default): one file per model-parallel rank, `mp_rank_{TP:02d}_{PP:03d}.safetensors`, with
-  Megatron's local parameter names and fused layouts. Written and read one tensor at a time.
+  Megatron's parameter names (local or Transformer-Engine, as the layout says) and fused layouts. Written and
+  read one tensor at a time.
 - `torch_dist`: Megatron-Core's distributed checkpoint (`dist_checkpointing`, directory `torch_dist/`),
   written by TP x PP real ranks; any TP/PP layout can load it.
 

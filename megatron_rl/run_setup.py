@@ -95,10 +95,17 @@ def layouts(args, world_size: int) -> tuple[TrainerLayout, GeneratorLayout]:
 
 def check_megatron_config(spec: ModelSpec, trainer: TrainerLayout) -> None:
     """Build the TransformerConfig the trainer will build: Megatron-Core's own checks run here too."""
+    import warnings
+
+    import torch
+
     from megatron_rl.trainer.model import transformer_config
 
     try:
-        transformer_config(spec, trainer)
+        with warnings.catch_warnings():  # Megatron-Core's deprecation notes: the trainer prints them when it builds
+            warnings.simplefilter("ignore")
+            transformer_config(spec, trainer,
+                               params_dtype=torch.bfloat16 if trainer.dtype_bytes == 2 else torch.float32)
     except (ValueError, AssertionError) as e:
         raise ValueError(f"Megatron-Core refuses the trainer layout ({trainer.describe()}, model {spec.name!r}): "
                          f"{e}") from None
@@ -109,12 +116,20 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     dry run plans without tokenizer files)."""
     from megatron_rl import checkpointing
     from megatron_rl.ddma.plan import validate as validate_plan
+    from megatron_rl.rewards.registry import reward_factory
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args)
     spec = model_spec(args, tokenizer)
     trainer, generator = layouts(args, world_size)
     validate_plan(spec, trainer, generator)  # both layouts against the model, and against each other
     check_megatron_config(spec, trainer)
+    per_step = trainer.data_parallel_size * args.micro_batch_size
+    if args.global_batch_size % per_step:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of the data-parallel size "
+                         f"{trainer.data_parallel_size} x --micro-batch-size {args.micro_batch_size}")
+    reward_factory(args.reward_fn)
+    if args.data_path and not os.path.isfile(args.data_path):
+        raise ValueError(f"--data-path {args.data_path!r}: no such file")
     if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
-        checkpointing.check_checkpoint(args.load, spec)
+        checkpointing.check_checkpoint(args.load, spec, trainer.transformer_impl)
     return RunSetup(args, tokenizer, spec, trainer, generator)

@@ -48,11 +48,11 @@ def run(args) -> None:
         if roles.is_controller:
             from megatron_rl.controller import Controller
 
-            setup.tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
-            controller = Controller(setup, trainer, Channel(roles.sync_group, TAG_CONTROL),
-                                    Channel(roles.sync_group, TAG_ROLLOUTS),
-                                    [roles.leader(r) for r in range(setup.generator.num_replicas)])
-            try:
+            try:  # whatever happens, the other trainer ranks are released from serve()
+                setup.tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
+                controller = Controller(setup, trainer, Channel(roles.sync_group, TAG_CONTROL),
+                                        Channel(roles.sync_group, TAG_ROLLOUTS),
+                                        [roles.leader(r) for r in range(setup.generator.num_replicas)])
                 controller.run()
                 controller.shutdown()
             finally:

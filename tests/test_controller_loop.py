@@ -190,7 +190,6 @@ def test_a_resume_sends_exactly_the_lost_samples_again_with_their_request_ids(tm
     expected = {f"{p}#{k}" for p in pending for k in range(4)} - {f"{pending[0]}#0"}
     assert sorted(generator.served) == sorted(expected)
     assert second.dispatched == Counter(state["dispatched"])  # a resend is not a new dispatch
-    assert second.buffer.sample_indices(pending[0]) == {0, 1, 2, 3}
 
 
 # ---- the buffer alone ----------------------------------------------------------------------------------------------

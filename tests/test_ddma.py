@@ -10,13 +10,13 @@ import itertools
 
 import pytest
 import torch
+from helpers import random_hf_weights
 
 from megatron_rl.ddma.plan import make_plan, summarize
 from megatron_rl.launch import run_on_ranks
 from megatron_rl.models import layout as L
 from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import get_model_spec
-from megatron_rl.trainer.weights import random_hf_weights
 
 TINY = get_model_spec("tiny-llama").replace(name="tiny-v200", vocab_size=200)  # FP8: receiver quantizes
 ALIGNED = get_model_spec("tiny-qwen2").replace(name="aligned", hidden_size=256, num_attention_heads=2,

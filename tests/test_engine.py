@@ -5,13 +5,13 @@ fp32; log-prob tolerance 1e-5 (the engine and transformers order their reduction
 
 import pytest
 import torch
+from helpers import random_hf_weights
 
 from megatron_rl.launch import run_on_ranks
 from megatron_rl.models import layout as L
 from megatron_rl.models.hf import save_random_hf_model
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.rollout import LocalEngine, SamplingParams
-from megatron_rl.trainer.weights import random_hf_weights
 
 LLAMA = get_model_spec("tiny-llama").replace(name="tiny-llama-v200", vocab_size=200)
 QWEN = get_model_spec("tiny-qwen2").replace(name="tiny-qwen2-tied", vocab_size=200, tie_word_embeddings=True)
@@ -133,7 +133,6 @@ def test_weight_swap_mid_generation_resumes_under_new_weights(tmp_path, tp, mode
         k = out.versions.count(0)
         assert k == 5 and out.versions == [0] * k + [1] * (12 - k)
         assert out.num_retractions == (1 if mode == "retract" else 0)
-        assert out.version_spans == [{"version": 0, "start": 0, "end": 5}, {"version": 1, "start": 5, "end": 12}]
         prompt, before, after = out.prompt_token_ids, out.token_ids[:k], out.token_ids[k:]
         assert before == _hf_greedy(old, prompt, k)
         if mode == "retract":

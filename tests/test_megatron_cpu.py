@@ -23,13 +23,13 @@ def _batch():
 
 
 def _layout_run(tp: int, pp: int, dp: int, spec_name: str):
-    from helpers import gather_vocab_parallel
+    from helpers import gather_vocab_parallel, random_hf_weights
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_rl.trainer.logprobs import mask_padded_vocab
     from megatron_rl.trainer.policy import build_policy, optimizer_step, run_microbatches
-    from megatron_rl.trainer.weights import load_hf_weights, random_hf_weights
+    from megatron_rl.trainer.weights import load_hf_weights
 
     spec = get_model_spec(spec_name)
     layout = TrainerLayout(tp, pp, dp, dtype_bytes=4)
@@ -95,7 +95,7 @@ def test_layout_matches_tp1(reference, tp, pp, dp):
 
 def test_reference_step_changes_weights(reference):
     """Guards the comparison above against a step that does nothing."""
-    from megatron_rl.trainer.weights import random_hf_weights
+    from helpers import random_hf_weights
 
     _, weights, grad_norm = reference
     initial = random_hf_weights(SPEC)

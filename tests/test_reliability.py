@@ -166,6 +166,7 @@ def test_an_intact_checkpoint_passes_the_start_checks(checkpoint_copy, capsys):
     (lambda d: (d / "iter_0000002" / "rl_state.json").write_text("{trunc"), "cannot read .*rl_state.json"),
     (lambda d: (d / "iter_0000002" / "metadata.json").unlink(), "iter_0000002 is not a complete trainer checkpoint"),
     (lambda d: _edit_state(d, model={"hidden_size": 256}), "saved model has hidden_size 256, this run's is 128"),
+    (lambda d: _drop_state_key(d, "format"), r"has RL state format 1, this version reads format 2"),
 ])
 def test_damaged_checkpoints_are_named(checkpoint_copy, capsys, damage, message):
     import re
@@ -173,6 +174,18 @@ def test_damaged_checkpoints_are_named(checkpoint_copy, capsys, damage, message)
     damage(checkpoint_copy)
     code, err = _train_cli(capsys, *DRY_RUN, "--load", str(checkpoint_copy))
     assert code == 2 and re.search(message, err), err
+
+
+def test_a_checkpoint_of_another_layer_spec_is_named(checkpoint_copy, capsys):
+    code, err = _train_cli(capsys, *DRY_RUN, "--load", str(checkpoint_copy), "--transformer-impl", "transformer_engine")
+    assert code == 2 and "saved with --transformer-impl local, this run uses transformer_engine" in err, err
+
+
+def _drop_state_key(directory, key):
+    path = directory / "iter_0000002" / "rl_state.json"
+    state = json.loads(path.read_text())
+    del state[key]
+    path.write_text(json.dumps(state))
 
 
 def _edit_state(directory, **changes):

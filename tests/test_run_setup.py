@@ -57,3 +57,26 @@ def test_uneven_stages_reach_megatron_and_the_405b_config_passes_a_launchs_valid
                           tokenizer=build_char_tokenizer())
     assert big.trainer.stage_sizes(big.spec) == [7] + [8] * 14 + [7] and big.trainer.data_parallel_size == 8
     assert transformer_config(big.spec, big.trainer).num_layers_in_last_pipeline_stage == 7
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--log-interval", "0"], "--log-interval must be >= 1, got 0"),
+    (["--kl-coef", "0.1"], "--kl-coef 0.1: the KL penalty needs a reference policy's log-probs"),
+    (["--sft-warmup-iters", "2", "--data-path", "x.jsonl"], "--sft-warmup-iters needs the arithmetic task"),
+])
+def test_flags_that_cannot_work_together_are_refused_by_the_parser(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*TINY, *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world,flags,pattern", [
+    (3, ["--global-batch-size", "8", "--micro-batch-size", "8"],
+     r"--global-batch-size 8 is not a multiple of the data-parallel size 2 x --micro-batch-size 8"),
+    (2, ["--reward-fn", "nope"], r"--reward-fn 'nope': not a registered name"),
+    (2, ["--reward-fn", "json:no_such_function"], r"module 'json' has no callable 'no_such_function'"),
+    (2, ["--data-path", "/no/such/prompts.jsonl"], r"--data-path '/no/such/prompts.jsonl': no such file"),
+])
+def test_what_would_fail_later_in_the_run_fails_in_the_setup(world, flags, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _setup(world, *flags)

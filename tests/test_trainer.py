@@ -35,11 +35,12 @@ def _batch(positive_only=False):
 
 def _setup(tp, pp, lr=1e-3, seed_weights=0):
     import torch.distributed as dist
+    from helpers import random_hf_weights
 
     from megatron_rl.algorithms import AlgorithmConfig
     from megatron_rl.trainer.policy import build_policy
     from megatron_rl.trainer.train_step import PolicyTrainer
-    from megatron_rl.trainer.weights import load_hf_weights, random_hf_weights
+    from megatron_rl.trainer.weights import load_hf_weights
 
     layout = TrainerLayout(tp, pp, dist.get_world_size() // (tp * pp), dtype_bytes=4)
     parallel.initialize(layout, SPEC)
@@ -134,7 +135,7 @@ def test_aipo_step_is_identical_across_layouts(tp1_step, tp, pp, dp):
 
 def test_step_metrics_are_reported(tp1_step):
     _, m = tp1_step
-    from megatron_rl.trainer.weights import random_hf_weights
+    from helpers import random_hf_weights
 
     assert m["tokens"] == 19  # 6 + 2 + 9 + 4 response tokens, 2 of them masked observations
     assert m["trained_tokens"] == 19 and m["grad_norm"] > 0 and m["lr"] == pytest.approx(1e-3)

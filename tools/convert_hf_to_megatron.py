@@ -12,6 +12,8 @@ import resource
 import sys
 import time
 
+from megatron_rl.models.layout import TRANSFORMER_IMPLS
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -22,7 +24,7 @@ def main(argv=None) -> int:
     p.add_argument("--megatron-format", choices=["safetensors", "torch_dist"], default="safetensors",
                    help="per-rank safetensors files (streamed), or Megatron-Core's distributed checkpoint")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    p.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+    p.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
                    help="Megatron-Core layer spec whose parameter names the checkpoint uses")
     p.add_argument("--decoder-first-pipeline-num-layers", type=int)
     p.add_argument("--decoder-last-pipeline-num-layers", type=int)

@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.aggregation import AGGREGATIONS, aggregate
 from megatron_rl.algorithms.aipo import aipo_clamp_loss, aipo_loss
 from megatron_rl.algorithms.ppo import ppo_clip_loss
@@ -33,7 +32,6 @@ class AlgorithmConfig:
     clip_eps: float = 0.2  # PPO
     clip_eps_high: float | None = None
     aggregation: str = "token-mean"
-    advantage_estimator: str = "group-baseline"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -41,8 +39,7 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         for flag, value, registry in (("--loss", self.loss, LOSSES), ("--loss-aggregation", self.aggregation,
-                                                                        AGGREGATIONS),
-                                      ("--advantage-estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)):
+                                                                        AGGREGATIONS)):
             if value not in registry:
                 raise ValueError(f"{flag} {value!r} is unknown; choose one of {sorted(registry)}")
         if self.temperature <= 0:

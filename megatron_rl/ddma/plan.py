@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import defaultdict
 
 from megatron_rl.models import layout as L
-from megatron_rl.models.fp8 import BLOCK, is_fp8_weight
+from megatron_rl.models.fp8 import BLOCK, is_fp8_weight, scale_shape
 from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import ModelSpec
 
@@ -85,7 +86,7 @@ class Plan:
 def piece_nbytes(length: int, row_numel: int, quantize: bool, dtype_bytes: int) -> int:
     if not quantize:
         return length * row_numel * dtype_bytes
-    blocks = -(-length // BLOCK) * -(-row_numel // BLOCK)
+    blocks = math.prod(scale_shape((length, row_numel)))
     return length * row_numel + blocks * 4  # e4m3 values + fp32 scale_inv per 128 x 128 block
 
 

@@ -1,8 +1,8 @@
 """Block-wise FP8 weights in SGLang's / DeepSeek's layout: `weight` as float8_e4m3fn and `weight_scale_inv`
 (fp32, one per 128 x 128 block; the factor that turns the FP8 values back into the weight).
 
-The format belongs with the layout: which runtime parameters are served in FP8 (`FP8_SUFFIXES`), how their
-scales are shaped, and what a block-FP8 piece of a DDMA transfer weighs. On a CPU the matmul dequantizes
+The format belongs with the layout: which runtime parameters are served in FP8 (`FP8_SUFFIXES`) and how their
+scales are shaped (which is also what a block-FP8 piece of a DDMA transfer weighs). On a CPU the matmul dequantizes
 (there is no FP8 GEMM); the point there is the numerics and the layout that DDMA sends, not speed.
 """
 

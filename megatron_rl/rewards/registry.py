@@ -25,8 +25,13 @@ REWARD_FUNCTIONS: dict[str, Callable[[int, int], RewardFn]] = {  # (num_workers,
 
 def build_reward_fn(name: str, num_workers: int = 2, timeout_s: int = 5) -> RewardFn:
     """A registered name (`math`, `math+format`) or `package.module:function`."""
+    return reward_factory(name)(num_workers, timeout_s)
+
+
+def reward_factory(name: str) -> Callable[[int, int], RewardFn]:
+    """What builds --reward-fn `name` (nothing is started: the run setup checks the flag with it)."""
     if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name](num_workers, timeout_s)
+        return REWARD_FUNCTIONS[name]
     if ":" not in name:
         raise ValueError(f"--reward-fn {name!r}: not a registered name {sorted(REWARD_FUNCTIONS)} nor "
                          "'module:function'")
@@ -38,4 +43,4 @@ def build_reward_fn(name: str, num_workers: int = 2, timeout_s: int = 5) -> Rewa
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"--reward-fn {name!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return lambda workers, timeout: fn

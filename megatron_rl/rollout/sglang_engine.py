@@ -279,8 +279,8 @@ class SGLangEngine:
         if status[0] is not None:
             raise SGLangServerError(f"SGLang weight update to version {version} failed: {status[0]}")
         self.weight_version = version
-        if self.is_leader and failpoints.armed("sglang-server-crash", version):  # crash tests: the server dies
-            os.killpg(self.server.process.pid, signal.SIGKILL)
+        if self.is_leader and self.server.process is not None and failpoints.armed("sglang-server-crash", version):
+            os.killpg(self.server.process.pid, signal.SIGKILL)  # crash tests: a launched server dies here
         # The server copied every shard; this rank keeps its own (one copy of its shard in host memory) so that a
         # restarted server can be given the serving weights without the trainer.
         self._serving = (staged, handles)

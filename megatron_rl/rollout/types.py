@@ -66,14 +66,3 @@ class RolloutOutput:
     num_retractions: int = 0
     logprob_convention: str = LOGPROB_CONVENTION
     loss_mask: list[bool] | None = None  # per generated token; None: every token is a policy action
-
-    @property
-    def version_spans(self) -> list[dict]:
-        """[{version, start, end}] runs of equal versions over the generated tokens (SGLang's format)."""
-        spans: list[dict] = []
-        for i, v in enumerate(self.versions):
-            if spans and spans[-1]["version"] == v:
-                spans[-1]["end"] = i + 1
-            else:
-                spans.append({"version": v, "start": i, "end": i + 1})
-        return spans

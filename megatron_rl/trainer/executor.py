@@ -48,8 +48,7 @@ class TrainerExecutor:
                               use_distributed_optimizer=args.use_distributed_optimizer, init_weights=init)
         self.scheduler = build_scheduler(policy, args.lr_warmup_iters, args.train_iters, args.lr_decay_style)
         self.rl_algo = AlgorithmConfig(loss=args.loss, rho=args.aipo_rho, clip_eps=args.ppo_clip_eps,
-                                       aggregation=args.loss_aggregation,
-                                       advantage_estimator=args.advantage_estimator, kl_coef=args.kl_coef,
+                                       aggregation=args.loss_aggregation, kl_coef=args.kl_coef,
                                        entropy_coef=args.entropy_coef, temperature=args.rollout_temperature)
         self.sft_algo = AlgorithmConfig(loss="sft")
         self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler)

@@ -47,13 +47,3 @@ def merge_to_hf(spec: ModelSpec, layout: L.TrainerLayout,
     if missing:
         raise KeyError(f"no shard provides HF tensor(s) {missing[:5]}{'...' if len(missing) > 5 else ''}")
     return hf
-
-
-def random_hf_weights(spec: ModelSpec, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
-    """Deterministic random HF-named fp32 weights (norm weights near 1), for tests and benchmarks."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in L.hf_shapes(spec).items():
-        t = torch.randn(shape, generator=g) * std
-        out[name] = t + 1.0 if name.endswith("norm.weight") else t
-    return out
