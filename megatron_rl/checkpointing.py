@@ -133,6 +133,13 @@ def load_rng(directory: str, rank: int) -> None:
         np.random.set_state(state["numpy"])
 
 
+def truncate_logs_to_checkpoint(load: str, output_dir: str) -> None:
+    """On a resume the run's logs continue from the checkpoint's step: lines of later (lost) steps are dropped."""
+    step = latest_checkpoint_step(load)
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        truncate_jsonl_after_step(os.path.join(output_dir, name), step)
+
+
 def truncate_jsonl_after_step(path: str, step: int) -> None:
     """Keep the lines of a JSONL log up to `step` (a torn last line is dropped); atomic."""
     if not os.path.isfile(path):

@@ -54,10 +54,8 @@ class Controller:
         self.reward_failures = RewardFailures(args.max_consecutive_reward_failures)
         self._next_leader = self._stopped = 0
         os.makedirs(args.output_dir, exist_ok=True)
-        if args.load:  # the logs continue from the checkpoint's step: lines of later (lost) steps are dropped
-            step = checkpointing.latest_checkpoint_step(args.load)
-            for name in ("metrics.jsonl", "rollouts.jsonl"):
-                checkpointing.truncate_jsonl_after_step(os.path.join(args.output_dir, name), step)
+        if args.load:
+            checkpointing.truncate_logs_to_checkpoint(args.load, args.output_dir)
         self.rollout_log = RolloutLog(args.output_dir, append=bool(args.load)) if args.log_rollouts else None
         self.logger = MetricsLogger(args.output_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
                                     args.tensorboard_dir, config={k: v for k, v in vars(args).items()
@@ -142,14 +140,13 @@ class Controller:
         self.source.load_state_dict(state["source"])
         self.buffer.load_state_dict(state["buffer"])
         self.inflight, self.dispatched = state["inflight"], Counter(state["dispatched"])
-        self.skipped_steps = state["skipped_steps"]
-        self.reward_failures.counts = Counter(state["reward_failures"])
+        self.skipped_steps, self.reward_failures.counts = state["skipped_steps"], Counter(state["reward_failures"])
 
     def resend_lost_samples(self, step: int) -> None:
         """After a resume: samples of the prompts in flight at the checkpoint that were not in its buffer died
         with the crashed generators; send them again (same request ids and seeds) and record why."""
-        n = self.args.n_samples_per_prompt
-        lost = {pid: [k for k in range(n) if k not in self.buffer.sample_indices(pid)] for pid in self.inflight}
+        lost = {pid: [k for k in range(self.args.n_samples_per_prompt) if k not in self.buffer.sample_indices(pid)]
+                for pid in self.inflight}
         lost = {pid: ks for pid, ks in lost.items() if ks}
         for pid, samples in lost.items():
             self.dispatch([self.inflight[pid]], samples, self.rl_params, resent=True)
