@@ -29,7 +29,7 @@ def save_rl_checkpoint(directory: str, step: int, trainer, rl_state: dict) -> No
     final = iteration_dir(directory, step)
     partial = final + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
-    trainer.command("save", (partial, {"step": step}))
+    trainer.command("save", partial)
     write_durably(os.path.join(partial, RL_STATE_FILE),
                   json.dumps({"format": RL_STATE_FORMAT, "step": step, **rl_state}))
     failpoints.crash("checkpoint-partial", step)

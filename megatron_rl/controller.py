@@ -35,7 +35,7 @@ class Controller:
         """`trainer.command(name, payload)` runs a command on every trainer rank; `control.send(message, rank)`
         reaches a generator leader; `rollouts.recv()` gives the generators' messages."""
         args = setup.args
-        self.args, self.spec, self.tokenizer = args, setup.spec, setup.tokenizer
+        self.args, self.spec, self.layout, self.tokenizer = args, setup.spec, setup.trainer, setup.tokenizer
         self.trainer, self.control, self.leaders = trainer, control, leaders
         self.source = PromptSource(args)
         self.buffer = RolloutBuffer(args.n_samples_per_prompt, args.max_staleness, not args.keep_uniform_groups)
@@ -271,7 +271,7 @@ class Controller:
             if args.save and args.save_interval and step % args.save_interval == 0:
                 checkpointing.save_rl_checkpoint(args.save, step, self.trainer,
                                                  {"model": self.spec.weight_fields(), **self.state_dict(),
-                                                  "transformer_impl": args.transformer_impl})
+                                                  "transformer_impl": self.layout.transformer_impl})
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
                             lag=max(map(int, metrics["staleness_histogram"]), default=0))
         accuracy_after = self.evaluate()

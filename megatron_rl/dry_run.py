@@ -49,7 +49,6 @@ def dry_run(args, world_size: int) -> dict:
     import os
 
     from megatron_rl.data.tokenizer import build_char_tokenizer
-    from megatron_rl.roles import Roles
     from megatron_rl.run_setup import build_run_setup
 
     # No file is needed: the architecture comes from --load-hf's config.json if it is here, else from --model; the
@@ -66,9 +65,8 @@ def dry_run(args, world_size: int) -> dict:
     plan = setup.plan()
     ddma = summarize(plan)
     ddma["baseline"] = gather_broadcast_baseline(plan)
-    roles = Roles(0, world_size, trainer.world_size, generator.tensor_parallel_size, generator.num_replicas, None)
     gtp, replicas = generator.tensor_parallel_size, generator.num_replicas
-    generator_ranks = [[roles.leader(r), roles.leader(r) + gtp - 1] for r in range(replicas)]
+    generator_ranks = [[generator.rank(r, 0), generator.rank(r, gtp - 1)] for r in range(replicas)]
     return {
         "model": spec.name, "parameters": spec.num_parameters(), "world_size": world_size,
         "rank_map": {

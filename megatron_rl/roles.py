@@ -43,9 +43,6 @@ class Roles:
     def rollout_tp_rank(self) -> int:
         return (self.rank - self.trainer_world_size) % self.rollout_tp
 
-    def leader(self, replica: int) -> int:
-        return self.trainer_world_size + replica * self.rollout_tp
-
     @property
     def is_leader(self) -> bool:
         return not self.is_trainer and self.rollout_tp_rank == 0

@@ -52,7 +52,7 @@ def run(args) -> None:
                 setup.tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
                 controller = Controller(setup, trainer, Channel(roles.sync_group, TAG_CONTROL),
                                         Channel(roles.sync_group, TAG_ROLLOUTS),
-                                        [roles.leader(r) for r in range(setup.generator.num_replicas)])
+                                        [setup.generator.rank(r, 0) for r in range(setup.generator.num_replicas)])
                 controller.run()
                 controller.shutdown()
             finally:

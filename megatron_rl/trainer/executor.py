@@ -117,20 +117,18 @@ class TrainerExecutor:
                                    transport=self.transport, bucket_bytes=self.args.ddma_bucket_mb * 2**20,
                                    debug_checksums=self.args.ddma_debug_checksums, background=True)
 
-    def _save(self, payload) -> None:
+    def _save(self, directory: str) -> None:
         from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
 
-        directory, extra = payload
         checkpointing.save_rng(directory, dist.get_rank())
         dist.barrier()
-        save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler, extra)
+        save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler)
 
-    def _load(self, directory: str) -> dict:
+    def _load(self, directory: str) -> None:
         from megatron_rl.trainer.checkpoint import load_trainer_checkpoint
 
-        extra = load_trainer_checkpoint(self.trainer.policy, directory, self.scheduler)
+        load_trainer_checkpoint(self.trainer.policy, directory, self.scheduler)
         checkpointing.load_rng(directory, dist.get_rank())
-        return extra
 
     def param_checksum(self) -> float:
         """Sum of every weight of the model (each shard counted once), in float64."""
