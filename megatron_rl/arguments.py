@@ -1,8 +1,8 @@
 """Megatron-style command line: Megatron-LM's flag names and meanings where a Megatron flag exists, grouped
 like Megatron's, plus the RL groups (rollout, algorithm, reward, data, DDMA). Every SGLang server flag passes
-through as --sglang-<flag> (collected into `args.sglang`). The choices of --loss, --advantage-estimator,
---loss-aggregation and --rollout-backend are the names in their registries (--reward-fn: a registered name or
-module:function, checked by the run setup). Validation at start
+through as --sglang-<flag> (collected into `args.sglang`; the run setup checks them: rollout/sglang_flags.py).
+The choices of --loss, --advantage-estimator, --loss-aggregation and --rollout-backend are the names in their
+registries (--reward-fn: a registered name or module:function, checked by the run setup). Validation at start
 names flags and values."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, POLICY_LOSSES
 from megatron_rl.models.layout import TRANSFORMER_IMPLS
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-timeout-minutes", type=int, default=30,
                    help="timeout of the run's process groups (a collective waiting this long fails)")
+    g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                   help="where each rank computes: auto = cuda:LOCAL_RANK when CUDA is present, else cpu")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialize the trainer's weights on the CPU, then move them to the GPU (the same weights "
+                        "for every TP/PP layout of a seed; always so on a CPU)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=16)
@@ -288,6 +294,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if args.rollout_server_urls and len(args.rollout_server_urls) != args.rollout_num_replicas:
             parser.error(f"--rollout-server-urls has {len(args.rollout_server_urls)} URL(s) for "
                          f"--rollout-num-replicas {args.rollout_num_replicas}")
+        if args.sglang and args.rollout_server_urls:
+            parser.error(f"{', '.join('--sglang-' + k.replace('_', '-') for k in args.sglang)}: server flags go to "
+                         "the servers a run launches, and --rollout-server-urls attaches to running ones instead "
+                         "(start those with the flags)")
         if args.partial_rollout_max_tokens:
             parser.error("--partial-rollout-max-tokens is a built-in engine feature; SGLang has no per-request "
                          "token budget per weight version")
@@ -295,5 +305,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         flags = [f"--sglang-{k.replace('_', '-')}" for k in args.sglang] + \
             (["--rollout-server-urls"] if args.rollout_server_urls else [])
         parser.error(f"{', '.join(flags)} need(s) --rollout-backend sglang")
+    if args.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     if args.rollout_temperature <= 0:
         parser.error(f"--rollout-temperature must be > 0 for RL sampling, got {args.rollout_temperature}")

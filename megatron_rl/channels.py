@@ -4,6 +4,11 @@ Each message is a header (payload length) and a pickled payload, sent with a per
 prompts, rollouts and control messages never mix. Sends do not block (buffers are kept until the transfer
 completes). Receives block; `poll` never blocks: it starts a listener thread that receives into a queue
 (gloo's receive handles report completion only once waited on, so they cannot be polled directly).
+
+A transfer that fails (the peer's node died, or it was silent for the process group's timeout,
+--distributed-timeout-minutes) is raised as `multinode.LostPeer` naming the peer's rank and node, in the caller's
+thread: by `recv`/`poll` for a listener's receive, by the next `send`/`flush` for a send. A helper thread never
+dies silently, which would leave its caller waiting forever.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import threading
 from typing import Any
 
 import torch
+
+from megatron_rl.multinode import lost_peer
 
 # The run's two channels over the sync group: controller -> generators (requests, weight versions, stop) and
 # generators -> controller (finished rollouts, a group's together).
@@ -27,51 +34,69 @@ class Channel:
         self.group, self.tag, self.last_kind = group, tag, last_kind
         self._queues: dict[int | None, queue.Queue] = {}
         self._sent: queue.Queue | None = None
+        self._send_error: BaseException | None = None  # the first failed send, raised by send() and flush()
 
     def send(self, obj: Any, dst: int) -> None:
         """Never blocks: a sender thread waits for each message's completion and then frees its buffers.
         (Blocking here could deadlock: the receiver may itself be waiting for this rank elsewhere.)"""
+        self._raise_send_error()
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         header = torch.tensor([payload.numel()], dtype=torch.int64)
         if self._sent is None:
             self._sent = queue.Queue()
             threading.Thread(target=self._complete_sends, daemon=True, name=f"channel-{self.tag}-sender").start()
-        self._sent.put((self.group.send([header], dst, self.tag), header))
-        self._sent.put((self.group.send([payload], dst, self.tag), payload))
+        self._sent.put((self.group.send([header], dst, self.tag), header, dst))
+        self._sent.put((self.group.send([payload], dst, self.tag), payload, dst))
 
     def _complete_sends(self) -> None:
+        """Wait for each send in order; a failure is kept for the caller (and the queue still drained, so that
+        `flush` returns)."""
         while True:
-            work, _buffer = self._sent.get()
-            work.wait()
-            self._sent.task_done()
+            work, _buffer, dst = self._sent.get()
+            try:
+                work.wait()
+            except RuntimeError as e:
+                if self._send_error is None:
+                    self._send_error = lost_peer("sending to", dst, e)
+            finally:
+                self._sent.task_done()
+
+    def _raise_send_error(self) -> None:
+        if self._send_error is not None:
+            raise self._send_error
 
     def flush(self) -> None:
-        """Wait until every message sent so far was received."""
+        """Wait until every message sent so far was received (or raise why one was not)."""
         if self._sent is not None:
             self._sent.join()
+        self._raise_send_error()
 
     def _receive(self, src: int | None) -> tuple[Any, int]:
-        header = torch.zeros(1, dtype=torch.int64)
-        if src is None:
-            work = self.group.recv_anysource([header], self.tag)
-        else:
-            work = self.group.recv([header], src, self.tag)
-        work.wait()
-        sender = work.source_rank() if src is None else src
-        payload = torch.empty(int(header[0]), dtype=torch.uint8)
-        self.group.recv([payload], sender, self.tag).wait()
+        sender = src
+        try:
+            header = torch.zeros(1, dtype=torch.int64)
+            if src is None:
+                work = self.group.recv_anysource([header], self.tag)
+            else:
+                work = self.group.recv([header], src, self.tag)
+            work.wait()
+            sender = work.source_rank() if src is None else src
+            payload = torch.empty(int(header[0]), dtype=torch.uint8)
+            self.group.recv([payload], sender, self.tag).wait()
+        except RuntimeError as e:  # gloo: connection closed by the peer, or the process group's timeout
+            raise lost_peer("receiving from", sender, e) from e
         return pickle.loads(payload.numpy().tobytes()), sender
 
     def recv(self, src: int | None = None) -> tuple[Any, int]:
         """Block for the next message (from `src`, or from anyone); returns (object, sender)."""
         if src in self._queues:  # a listener thread receives from `src`: take its next message
-            return self._queues[src].get()
+            return _take(self._queues[src], block=True)
         return self._receive(src)
 
     def poll(self, src: int | None = None) -> tuple[Any, int] | None:
         """The next message if one has arrived, else None."""
         try:
-            return self._listener(src).get_nowait()
+            return _take(self._listener(src), block=False)
         except queue.Empty:
             return None
 
@@ -83,10 +108,24 @@ class Channel:
 
             def listen():
                 while True:
-                    message = self._receive(src)
+                    try:
+                        message = self._receive(src)
+                    except BaseException as e:  # noqa: BLE001 - handed to the reader, raised by recv/poll
+                        q.put(e)
+                        return
                     q.put(message)
                     if isinstance(message[0], tuple) and message[0] and message[0][0] == self.last_kind:
                         return
 
             threading.Thread(target=listen, daemon=True, name=f"channel-{self.tag}-listener").start()
         return self._queues[src]
+
+
+def _take(q: queue.Queue, block: bool):
+    """The next message of a listener's queue; the exception that ended the listener is raised instead, and stays
+    in the queue so that every later read raises it too (nothing will arrive after it)."""
+    item = q.get(block=block)
+    if isinstance(item, BaseException):
+        q.put(item)
+        raise item
+    return item

@@ -118,8 +118,10 @@ def publish_tracker(directory: str, step: int) -> None:
 
 def save_rng(directory: str, rank: int) -> None:
     os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-               os.path.join(directory, "rng", f"rank{rank:05d}.pt"))
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device (Megatron's tracker forks from it)
+    torch.save(state, os.path.join(directory, "rng", f"rank{rank:05d}.pt"))
 
 
 def load_rng(directory: str, rank: int) -> None:
@@ -131,6 +133,8 @@ def load_rng(directory: str, rank: int) -> None:
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
 
 
 def truncate_logs_to_checkpoint(load: str, output_dir: str) -> None:

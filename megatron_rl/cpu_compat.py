@@ -2,7 +2,7 @@
 
 Megatron-Core assumes CUDA throughout. Each patch below exists because the named code path failed on a
 CPU machine without it (each patch's docstring says which). `apply()` installs them all once, and only
-when CUDA is absent: on a GPU nothing here runs and Megatron-Core is used as shipped.
+when the rank computes on a CPU: on a GPU nothing here runs and Megatron-Core is used as shipped.
 """
 
 from __future__ import annotations
@@ -127,12 +127,13 @@ def _patch_megatron() -> None:
         communication_utils._is_cuda = lambda tensor: None
 
 
-def apply() -> bool:
-    """Install the CPU patches if CUDA is absent. Returns True when patches are active. Idempotent."""
+def apply(force: bool = False) -> bool:
+    """Install the CPU patches if CUDA is absent, or when `force`d (a rank told to compute on the CPU of a GPU
+    machine). Returns True when patches are active. Idempotent."""
     global _applied
     if _applied:
         return True
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not force:
         return False
     _patch_torch_cuda()
     _patch_megatron()

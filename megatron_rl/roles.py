@@ -5,16 +5,21 @@ Under one `torchrun` launch (one node or many: torchrun's own multi-node flags),
 own default process group on a prefix of the launch's rendezvous store, so Megatron-Core sees exactly the
 trainer's ranks (its collectives, e.g. the optimizer's all_gather_object, never involve a generator), and
 each generator replica gets a TP group inside the generators' world. A separate gloo group spanning every
-rank carries the channels and the DDMA transfers; its ranks are the global ranks.
+rank carries the channels (and the DDMA transfers where they go through the CPU); its ranks are the global ranks.
+The roles' own groups use the backend of the rank's device (NCCL on GPUs); every rank's `DeviceId` is shared
+through the store so that DDMA can choose its transport (`ddma.transport.make_transport`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import pickle
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.device import DeviceId, backend_for
 
 
 @dataclasses.dataclass
@@ -25,6 +30,10 @@ class Roles:
     rollout_tp: int
     rollout_replicas: int
     sync_group: object  # gloo ProcessGroup over all ranks
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # this rank's
+    devices: list[DeviceId] = dataclasses.field(default_factory=list)  # every rank's, by global rank
+    store: object | None = None  # the launch's rendezvous store (more groups over all ranks are made on it)
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30)
     replica_group: object | None = None  # this generator replica's TP group (generator ranks only)
 
     @property
@@ -48,17 +57,18 @@ class Roles:
         return not self.is_trainer and self.rollout_tp_rank == 0
 
 
-def init_roles(trainer_world_size: int, rollout_tp: int, rollout_replicas: int, backend: str | None = None,
-               timeout_minutes: int = 30) -> Roles:
-    store, rank, world = next(dist.rendezvous("env://"))
+def init_roles(trainer_world_size: int, rollout_tp: int, rollout_replicas: int,
+               device: torch.device | str = "cpu", timeout_minutes: int = 30) -> Roles:
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))  # node 0's store: waited for this long
     store.set_timeout(timeout)
     generators = rollout_tp * rollout_replicas
     if trainer_world_size + generators != world:
         raise ValueError(f"world size {world} != trainer ranks {trainer_world_size} + generator ranks "
                          f"{generators} (--rollout-tensor-parallel-size {rollout_tp} x --rollout-num-replicas "
                          f"{rollout_replicas})")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(device)
+    backend = backend_for(device)
     if rank < trainer_world_size:
         dist.init_process_group(backend, store=dist.PrefixStore("trainer/", store), rank=rank,
                                 world_size=trainer_world_size, timeout=timeout)
@@ -66,7 +76,9 @@ def init_roles(trainer_world_size: int, rollout_tp: int, rollout_replicas: int, 
         dist.init_process_group(backend, store=dist.PrefixStore("generator/", store), rank=rank - trainer_world_size,
                                 world_size=generators, timeout=timeout)
     sync = dist.ProcessGroupGloo(dist.PrefixStore("sync/", store), rank, world, timeout)
-    roles = Roles(rank, world, trainer_world_size, rollout_tp, rollout_replicas, sync)
+    store.set(f"device/{rank}", pickle.dumps(DeviceId.of(device)))
+    devices = [pickle.loads(store.get(f"device/{r}")) for r in range(world)]
+    roles = Roles(rank, world, trainer_world_size, rollout_tp, rollout_replicas, sync, device, devices, store, timeout)
     if not roles.is_trainer:
         for r in range(rollout_replicas):  # new_group is collective over the generators' world
             group = dist.new_group(list(range(r * rollout_tp, (r + 1) * rollout_tp)))

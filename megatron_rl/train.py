@@ -31,12 +31,17 @@ def run(args) -> None:
     import torch.distributed as dist
 
     from megatron_rl.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
+    from megatron_rl.device import select_device
     from megatron_rl.roles import init_roles
     from megatron_rl.run_setup import build_run_setup
 
     setup = build_run_setup(args, int(os.environ.get("WORLD_SIZE", "1")))
+    # A generator rank of an SGLang replica computes nothing itself: its server has the replica's GPUs, and DDMA
+    # lands in the rank's host memory, which the server copies from (see README, "SGLang generators").
+    sglang_rank = args.rollout_backend == "sglang" and int(os.environ.get("RANK", "0")) >= setup.trainer.world_size
+    device = select_device("cpu" if sglang_rank else args.device)
     roles = init_roles(setup.trainer.world_size, setup.generator.tensor_parallel_size,
-                       setup.generator.num_replicas, timeout_minutes=args.distributed_timeout_minutes)
+                       setup.generator.num_replicas, device=device, timeout_minutes=args.distributed_timeout_minutes)
     if not roles.is_trainer:
         from megatron_rl.rollout.worker import GeneratorWorker
 

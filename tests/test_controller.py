@@ -27,6 +27,7 @@ def _train(out_dir, *extra, timeout=300):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "DDMA transport: gloo (all 3 ranks compute on CPUs)" in r.stdout  # the choice is logged, by rank 0
     rows = lambda name: [json.loads(line) for line in open(out_dir / name) if line.strip()]
     return rows("metrics.jsonl"), json.loads((out_dir / "eval.json").read_text()), rows("rollouts.jsonl")
 

@@ -3,8 +3,11 @@
 Trainer TP=n/2 ranks hold their Megatron shards of a bf16 model of a few hundred MB; n/2 generator ranks
 (one engine at TP=n/2) receive. Gather-and-broadcast: every trainer rank sends its shards to trainer rank
 0, which rebuilds the full HF tensors and broadcasts each to all generator ranks, which slice their shards
-(the common design DDMA replaces). DDMA: `ddma.sync.publish`. Reported: wall time to the new version
-installed everywhere, and the bytes of the busiest rank.
+(the common design DDMA replaces). DDMA: `ddma.sync.publish`. Raw send: every (trainer, generator) pair of the
+DDMA plan moves the same number of bytes as one message per pair, all pairs at once, from and into buffers
+allocated beforehand: the link's own speed for the same traffic, no layout, no engine. Reported: wall time to the
+new version installed everywhere, the bytes of the busiest rank, and DDMA's share of the raw send's speed
+(`ddma_vs_raw_send` = raw seconds / DDMA seconds; 1.0 would be DDMA at the link's speed).
 """
 
 from __future__ import annotations
@@ -90,8 +93,21 @@ def _rank_main(quick: bool, repeats: int):
             engine.end_weight_update(version)
         return sent, received
 
+    pairs: dict[tuple[int, int], int] = {}
+    for p in plan.pieces:
+        pairs[(p.src, p.dst)] = pairs.get((p.src, p.dst), 0) + p.nbytes
+    raw_buffers = {pair: torch.empty(n, dtype=torch.uint8) for pair, n in pairs.items() if rank in pair}
+
+    def raw_send(version):
+        works = [dist.isend(buf, dst) if src == rank else dist.irecv(buf, src)
+                 for (src, dst), buf in raw_buffers.items()]
+        for w in works:
+            w.wait()
+        sent = sum(b.numel() for (src, _), b in raw_buffers.items() if src == rank)
+        return sent, sum(b.numel() for b in raw_buffers.values()) - sent
+
     results = {}
-    for name, fn in (("gather_broadcast", gather_broadcast), ("ddma", ddma)):
+    for name, fn in (("gather_broadcast", gather_broadcast), ("ddma", ddma), ("raw_send", raw_send)):
         times, moved = [], None
         for i in range(repeats + 1):  # first run warms up
             dist.barrier()
@@ -112,14 +128,16 @@ def run(quick: bool = False) -> dict:
     for procs in (2, 4):
         ranks = run_on_ranks(_rank_main, procs, quick, 2 if quick else 3, timeout_s=1200)
         row = {}
-        for method in ("gather_broadcast", "ddma"):
+        for method in ("gather_broadcast", "ddma", "raw_send"):
             row[method] = {
                 "seconds": max(r[method]["seconds"] for r in ranks),
                 "busiest_rank_bytes": max(max(r[method]["sent"], r[method]["received"]) for r in ranks),
             }
         row["speedup_vs_gather_broadcast"] = row["gather_broadcast"]["seconds"] / row["ddma"]["seconds"]
+        row["ddma_vs_raw_send"] = row["raw_send"]["seconds"] / row["ddma"]["seconds"]
         out[f"processes_{procs}"] = row
     out["speedup_vs_gather_broadcast"] = out["processes_4"]["speedup_vs_gather_broadcast"]
+    out["ddma_vs_raw_send"] = out["processes_4"]["ddma_vs_raw_send"]
     out["ddma_busiest_bytes_2_to_4"] = (out["processes_2"]["ddma"]["busiest_rank_bytes"],
                                         out["processes_4"]["ddma"]["busiest_rank_bytes"])
     return out

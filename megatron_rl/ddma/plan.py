@@ -56,6 +56,7 @@ class Plan:
     runtime: dict[int, dict[str, L.ShardLayout]]  # generator global rank -> its runtime tensors
     quantized_tensors: frozenset[str]  # runtime names sent as FP8 by the trainer
     schedules: dict = dataclasses.field(default_factory=dict, repr=False)  # per-rank buckets (ddma.sync)
+    buffers: dict = dataclasses.field(default_factory=dict, repr=False)  # per-rank reused buffers (ddma.sync)
 
     @functools.cached_property
     def by_rank(self) -> dict[int, dict[str, list[Piece]]]:

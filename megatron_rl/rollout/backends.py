@@ -24,6 +24,9 @@ class Engine(Protocol):
 
     restarts: int  # times its server was restarted after a fault (0 for an in-process engine)
     rerun_requests: int  # requests sent again after such restarts
+    # True when the engine is done with a set of tensors it took from load_weights(copy=False) once a later update is
+    # installed, so DDMA may receive into that set again; False when they leave the process (shared memory).
+    reusable_receive_buffers: bool
 
     @property
     def paused(self) -> bool: ...
@@ -56,14 +59,15 @@ def build_local_engine(setup: RunSetup, roles: Roles) -> Engine:
     args = setup.args
     decoder = TPDecoder(setup.spec, setup.generator.tensor_parallel_size, roles.rollout_tp_rank, roles.replica_group,
                         dtype=torch.bfloat16 if args.bf16 else torch.float32, fp8=setup.generator.fp8,
-                        max_slots=args.rollout_max_running + 1, max_seq_len=args.seq_length)
+                        max_slots=args.rollout_max_running + 1, max_seq_len=args.seq_length, device=roles.device)
     return LocalEngine(decoder, eos_token_ids=[setup.tokenizer.eos_token_id], seed=args.seed,
                        chunk_tokens=args.partial_rollout_max_tokens)
 
 
 def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:
     """The replica's leader launches its SGLang server on a config-only model directory (random start-up
-    weights, never served: the first DDMA publish brings the policy), or attaches to --rollout-server-urls."""
+    weights, never served: the first DDMA publish brings the policy) on the GPUs of the replica's ranks, or
+    attaches to --rollout-server-urls."""
     args = setup.args
     if importlib.util.find_spec("sglang") is None:
         raise RuntimeError("--rollout-backend sglang: the sglang package is not installed in this environment "
@@ -77,8 +81,10 @@ def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:
     directory = os.path.join(args.output_dir, "sglang", f"replica{roles.replica}")
     model_dir = write_model_dir(setup.spec, os.path.join(directory, "model"), setup.tokenizer.eos_token_id,
                                 fp8=setup.generator.fp8) if roles.is_leader else None
+    # The run's own server settings; --sglang-<flag> adds the rest (checked by the run setup, which refuses the
+    # flags set here and in SGLangServer.launch: sglang_flags.RUN_CONTROLLED).
     flags = {"max_running_requests": args.rollout_max_running, "context_length": args.seq_length,
-             "random_seed": args.seed, **args.sglang}
+             "random_seed": args.seed, **setup.sglang_flags}
     url = args.rollout_server_urls[roles.replica] if args.rollout_server_urls else None
     return start_replica_engine(setup.spec, setup.generator.tensor_parallel_size, roles.replica_group,
                                 roles.is_leader, model_dir, os.path.join(directory, "server.log"), url=url,
@@ -88,7 +94,7 @@ def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:
                                 stall_timeout_s=args.rollout_server_stall_timeout,
                                 max_restarts=args.rollout_server_max_restarts,
                                 required_flags=IN_PLACE_SERVER_FLAGS if args.rollout_pause_mode == "in_place"
-                                else None)
+                                else None, replica=roles.replica)
 
 
 ENGINE_BACKENDS: dict[str, Callable[[RunSetup, Roles], Engine]] = {

@@ -8,6 +8,10 @@ in the layout DDMA sends to SGLang.
 KV cache: a fixed pool of slots [layers, slots, kv_heads_local, max_seq_len, head_dim]. A forward pass takes
 any set of slots, each with its own start position, so decode steps batch requests of different lengths
 (continuous batching) and a prefill is the same call with more tokens.
+
+Weights, KV cache and activations live on the decoder's `device`; callers may pass inputs on any device and get
+logits on the decoder's. Block-FP8 weights run FP8 tensor-core GEMMs where the GPU has them (`models.fp8`), and
+are dequantized to the compute dtype elsewhere.
 """
 
 from __future__ import annotations
@@ -19,7 +23,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl.models import layout as L
-from megatron_rl.models.fp8 import SCALE_SUFFIX, dequantize_block_fp8, is_fp8_weight, quantize_block_fp8, scale_shape
+from megatron_rl.models.fp8 import (
+    SCALE_SUFFIX,
+    RowwiseFP8,
+    dequantize_block_fp8,
+    fp8_gemm_shape_ok,
+    fp8_gemm_supported,
+    is_fp8_weight,
+    quantize_block_fp8,
+    scale_shape,
+)
 from megatron_rl.models.spec import ModelSpec
 
 
@@ -48,24 +61,31 @@ def _rotate_half(x):
 
 class TPDecoder:
     def __init__(self, spec: ModelSpec, tp_size: int = 1, tp_rank: int = 0, group=None,
-                 dtype: torch.dtype = torch.float32, fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512):
+                 dtype: torch.dtype = torch.float32, fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512,
+                 device: torch.device | str = "cpu"):
         self.spec, self.tp_size, self.tp_rank, self.group = spec, tp_size, tp_rank, group
-        self.dtype, self.fp8 = dtype, fp8
+        self.dtype, self.fp8, self.device = dtype, fp8, torch.device(device)
+        # FP8 tensor-core GEMMs (row-wise scales) where the device has them; else dequantize to `dtype`.
+        self.fp8_gemm = fp8 and fp8_gemm_supported(self.device)
         self.layouts = L.sglang_shards(spec, tp_size, tp_rank)
+        self._expected = self._expected_tensors()
         self.padded_vocab = L.sglang_padded_vocab(spec, tp_size)
         self.q_heads = spec.num_attention_heads // tp_size
         self.kv_heads = max(spec.num_key_value_heads // tp_size, 1)
         self.params: dict[str, torch.Tensor] = {}  # what was received, in the runtime layout (FP8 + scales)
-        self._compute: dict[str, torch.Tensor] = {}  # what the matmuls use (dequantized on a CPU)
+        self._compute: dict[str, torch.Tensor | RowwiseFP8] = {}  # what the matmuls use
         self.max_slots, self.max_seq_len = max_slots, max_seq_len
         shape = (spec.num_layers, max_slots, self.kv_heads, max_seq_len, spec.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype)
-        self.v_cache = torch.zeros(shape, dtype=dtype)
-        self.inv_freq = rope_inv_freq(spec)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.inv_freq = rope_inv_freq(spec).to(self.device)
 
     # ---- weights -------------------------------------------------------------------------------------------------
     def expected(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Runtime tensor name -> (shape, kind) this rank accepts; kind "fp8"/"scale" in FP8 mode."""
+        return self._expected
+
+    def _expected_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
         out = {}
         for name, lay in self.layouts.items():
             if self.fp8 and is_fp8_weight(name):
@@ -85,6 +105,7 @@ class TPDecoder:
         if tuple(tensor.shape) != shape:
             raise ValueError(f"generator TP rank {self.tp_rank}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {shape}")
+        tensor = tensor.to(self.device)  # a no-op for what DDMA received on this device
         if kind == "fp8" and tensor.dtype != torch.float8_e4m3fn:
             into[name], into[name + SCALE_SUFFIX] = quantize_block_fp8(tensor)
         elif kind in ("fp8", "scale"):
@@ -103,10 +124,19 @@ class TPDecoder:
         compute = {}
         for name in self.layouts:
             if self.fp8 and is_fp8_weight(name):
-                compute[name] = dequantize_block_fp8(params[name], params[name + SCALE_SUFFIX], dtype=self.dtype)
+                weight = dequantize_block_fp8(params[name], params[name + SCALE_SUFFIX], dtype=torch.float32)
+                fast = self.fp8_gemm and fp8_gemm_shape_ok(weight.shape)
+                compute[name] = RowwiseFP8.quantize(weight) if fast else weight.to(self.dtype)
             else:
                 compute[name] = params[name]
         self.params, self._compute = params, compute
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ W.T for the runtime weight `name` (an FP8 GEMM for a row-wise FP8 weight)."""
+        weight = self._compute[name]
+        if isinstance(weight, RowwiseFP8):
+            return weight.linear(x)
+        return x @ weight.T
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,18 +172,19 @@ class TPDecoder:
         if int(starts.max()) + T > self.max_seq_len:
             raise ValueError(f"sequence of {int(starts.max()) + T} tokens exceeds the engine's max_seq_len "
                              f"{self.max_seq_len}")
-        slot_index = torch.tensor(slots, dtype=torch.long)
+        tokens, starts = tokens.to(self.device), starts.to(self.device)
+        slot_index = torch.tensor(slots, dtype=torch.long, device=self.device)
         contiguous = slots == list(range(slots[0], slots[0] + S))
-        positions = starts.unsqueeze(1) + torch.arange(T).unsqueeze(0)  # [S, T]
+        positions = starts.unsqueeze(1) + torch.arange(T, device=self.device).unsqueeze(0)  # [S, T]
         kv_len = int(positions.max()) + 1
-        key_pos = torch.arange(kv_len)
+        key_pos = torch.arange(kv_len, device=self.device)
         mask = key_pos.view(1, 1, 1, -1) <= positions.view(S, 1, T, 1)  # causal over the cached prefix
         q_size, kv_size = self.q_heads * d, self.kv_heads * d
         x = self._embed(tokens)
         for i in range(spec.num_layers):
             p = f"model.layers.{i}"
             h = self._norm(x, f"{p}.input_layernorm.weight")
-            qkv = h @ self._compute[f"{p}.self_attn.qkv_proj.weight"].T
+            qkv = self._linear(h, f"{p}.self_attn.qkv_proj.weight")
             if spec.qkv_bias:
                 qkv = qkv + self._compute[f"{p}.self_attn.qkv_proj.bias"]
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -177,10 +208,10 @@ class TPDecoder:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=self.q_heads != self.kv_heads)
             attn = attn.transpose(1, 2).reshape(S, T, q_size)
-            x = x + self._all_reduce((attn @ self._compute[f"{p}.self_attn.o_proj.weight"].T).contiguous())
+            x = x + self._all_reduce(self._linear(attn, f"{p}.self_attn.o_proj.weight").contiguous())
             h = self._norm(x, f"{p}.post_attention_layernorm.weight")
-            gate, up = (h @ self._compute[f"{p}.mlp.gate_up_proj.weight"].T).chunk(2, dim=-1)
-            x = x + self._all_reduce((F.silu(gate) * up @ self._compute[f"{p}.mlp.down_proj.weight"].T).contiguous())
+            gate, up = self._linear(h, f"{p}.mlp.gate_up_proj.weight").chunk(2, dim=-1)
+            x = x + self._all_reduce(self._linear(F.silu(gate) * up, f"{p}.mlp.down_proj.weight").contiguous())
         x = self._norm(x, "model.norm.weight")
         head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
         logits = (x @ self._compute[head].T).float().contiguous()

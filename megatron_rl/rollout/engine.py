@@ -63,6 +63,7 @@ class LocalEngine:
         self.weight_version = 0
         self.paused = False
         self.restarts = self.rerun_requests = 0  # the engine protocol's fault counters: an in-process engine has none
+        self.reusable_receive_buffers = True  # replaced weights are dropped at install
         self._queue: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._free_slots = list(range(decoder.max_slots - 1))  # the last slot is reserved for score()
@@ -75,7 +76,7 @@ class LocalEngine:
     @classmethod
     def from_hf(cls, hf_dir: str, tp_size: int = 1, group=None, dtype: torch.dtype = torch.float32,
                 fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512, seed: int = 0,
-                chunk_tokens: int | None = None) -> LocalEngine:
+                chunk_tokens: int | None = None, device: torch.device | str = "cpu") -> LocalEngine:
         """Load an HF checkpoint. tp_size > 1: call on every rank of `group` (default: the whole world)."""
         ckpt = HFCheckpoint(hf_dir)
         spec = ModelSpec.from_hf_config(ckpt.config)
@@ -88,7 +89,7 @@ class LocalEngine:
                 raise ValueError(f"--rollout-tensor-parallel-size {tp_size} does not match the engine group's "
                                  f"size {group_size}")
             tp_rank = dist.get_rank(group)
-        decoder = TPDecoder(spec, tp_size, tp_rank, group, dtype, fp8, max_slots, max_seq_len)
+        decoder = TPDecoder(spec, tp_size, tp_rank, group, dtype, fp8, max_slots, max_seq_len, device)
         params: dict[str, torch.Tensor] = {}
         for name, lay in decoder.layouts.items():
             decoder.load(name, L.assemble(lay, ckpt.get_slice), params)
@@ -160,10 +161,10 @@ class LocalEngine:
             prefixes = [r.prompt + r.generated for r in admitted]
             width = max(len(t) for t in prefixes)
             tokens = torch.tensor([t + [0] * (width - len(t)) for t in prefixes])
-            lengths = torch.tensor([len(t) for t in prefixes])
+            last = torch.tensor([len(t) - 1 for t in prefixes], device=self.decoder.device)
             starts = torch.zeros(len(admitted), dtype=torch.long)
             logits = self.decoder.forward([r.slot for r in admitted], tokens, starts)
-            next_logits.append(logits[torch.arange(len(admitted)), lengths - 1])
+            next_logits.append(logits[torch.arange(len(admitted), device=last.device), last])
             for r, t in zip(admitted, prefixes):
                 r.cached = len(t)
         decoding = sorted(self._running, key=lambda r: r.slot)
@@ -271,7 +272,8 @@ class LocalEngine:
         slot = self.decoder.max_slots - 1
         logits = self.decoder.forward([slot], torch.tensor([token_ids]), torch.tensor([0]))[0]
         logprobs = torch.log_softmax(logits[:-1] / temperature, -1)
-        return logprobs.gather(-1, torch.tensor(token_ids[1:]).unsqueeze(-1)).squeeze(-1)
+        targets = torch.tensor(token_ids[1:], device=logprobs.device)
+        return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         slot = self.decoder.max_slots - 1

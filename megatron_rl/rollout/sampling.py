@@ -33,13 +33,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[float]]:
     """Sample one token per row of full-vocabulary logits [B, V]; return (tokens, their behavior log-probs)."""
     logits = logits.float()
-    tokens = torch.empty(len(params), dtype=torch.long)
-    logprobs = torch.empty(len(params), dtype=torch.float32)
+    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(len(params), dtype=torch.float32, device=logits.device)
     by_params: dict[tuple, list[int]] = defaultdict(list)
     for i, p in enumerate(params):
         by_params[(p.temperature, p.top_k, p.top_p)].append(i)
     for (temperature, top_k, top_p), rows in by_params.items():
-        index = torch.tensor(rows) if len(by_params) > 1 else slice(None)  # usually one group: no gather
+        index = torch.tensor(rows, device=logits.device) if len(by_params) > 1 else slice(None)  # usually one group
         x = logits[index]
         if temperature == 0:
             chosen = torch.argmax(x, -1)
@@ -49,7 +49,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             reported = torch.log_softmax(scaled, -1)  # the behavior distribution: before truncation
             probs = torch.softmax(truncate(scaled, top_k, top_p), -1)
             cdf = torch.cumsum(probs, -1, dtype=torch.float64)
-            u = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in rows])
+            u = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in rows]).to(logits.device)
             # the first token whose cumulative mass exceeds u x total (a token of zero mass never is); the
             # minimum guards against u x total rounding up to the total
             chosen = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_rl.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
 from megatron_rl.ddma.sync import publish
-from megatron_rl.ddma.transport import TorchDistTransport
+from megatron_rl.ddma.transport import make_transport
 from megatron_rl.roles import Roles
 from megatron_rl.rollout.backends import ENGINE_BACKENDS
 from megatron_rl.rollout.types import RequestMeta, SamplingParams
@@ -30,7 +30,7 @@ class GeneratorWorker:
         self.dtype = torch.bfloat16 if self.args.bf16 else torch.float32
         self.engine = ENGINE_BACKENDS[self.args.rollout_backend](setup, roles)
         self.plan = setup.plan()
-        self.transport = TorchDistTransport(roles.sync_group)
+        self.transport = make_transport(roles)
         self.control = Channel(roles.sync_group, TAG_CONTROL, last_kind="stop")
         self.rollouts = Channel(roles.sync_group, TAG_ROLLOUTS)
         self.stats = {"busy_s": 0.0, "idle_s": 0.0, "sync_s": 0.0, "tokens": 0}
@@ -76,7 +76,7 @@ class GeneratorWorker:
                 start = time.perf_counter()
                 self.engine.pause(self.args.rollout_pause_mode)
                 publish(self.plan, self.roles.rank, payload, engine=self.engine, transport=self.transport,
-                        dtype=self.dtype, bucket_bytes=self.args.ddma_bucket_mb * 2**20,
+                        dtype=self.dtype, device=self.roles.device, bucket_bytes=self.args.ddma_bucket_mb * 2**20,
                         debug_checksums=self.args.ddma_debug_checksums)
                 self.engine.continue_generation()
                 self.stats["sync_s"] += time.perf_counter() - start

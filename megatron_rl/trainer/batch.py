@@ -72,6 +72,13 @@ class TrainBatch:
         return TrainBatch(self.tokens[index], self.loss_mask[index], self.behavior_logprobs[index],
                           self.advantages[index], None if self.ref_logprobs is None else self.ref_logprobs[index])
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch on `device` (the trainer's): every tensor moved, none copied when already there."""
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+        return TrainBatch(move(self.tokens), move(self.loss_mask), move(self.behavior_logprobs),
+                          move(self.advantages), move(self.ref_logprobs))
+
     @classmethod
     def from_groups(cls, groups: list[list], advantage_estimator: str) -> TrainBatch:
         """Buffer groups (lists of `buffer.Rollout`, one list per prompt) with advantages within each group."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_rl import checkpointing
 from megatron_rl.algorithms import AlgorithmConfig
 from megatron_rl.ddma.sync import publish
-from megatron_rl.ddma.transport import TorchDistTransport
+from megatron_rl.ddma.transport import make_transport
 from megatron_rl.roles import Roles
 from megatron_rl.run_setup import RunSetup
 
@@ -34,7 +34,7 @@ class TrainerExecutor:
 
         args, spec, layout = setup.args, setup.spec, setup.trainer
         self.args, self.roles, self.spec = args, roles, spec
-        parallel.initialize(layout, spec, seed=args.seed)
+        parallel.initialize(layout, spec, seed=args.seed, device=roles.device)
         init = None
         if args.load_hf:
             from megatron_rl.models.safetensors_io import HFCheckpoint
@@ -45,7 +45,8 @@ class TrainerExecutor:
         policy = build_policy(spec, layout, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                               clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                               adam_eps=args.adam_eps, bf16=args.bf16,
-                              use_distributed_optimizer=args.use_distributed_optimizer, init_weights=init)
+                              use_distributed_optimizer=args.use_distributed_optimizer, init_weights=init,
+                              device=roles.device, use_cpu_initialization=args.use_cpu_initialization)
         self.scheduler = build_scheduler(policy, args.lr_warmup_iters, args.train_iters, args.lr_decay_style)
         self.rl_algo = AlgorithmConfig(loss=args.loss, rho=args.aipo_rho, clip_eps=args.ppo_clip_eps,
                                        aggregation=args.loss_aggregation, kl_coef=args.kl_coef,
@@ -53,7 +54,7 @@ class TrainerExecutor:
         self.sft_algo = AlgorithmConfig(loss="sft")
         self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler)
         self.plan = setup.plan()
-        self.transport = TorchDistTransport(roles.sync_group)
+        self.transport = make_transport(roles)
         self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
         self.handlers: dict[str, Callable[[Any], Any]] = {
             "train": self._train, "sft": self._sft, "publish": self._publish, "save": self._save, "load": self._load,
@@ -134,7 +135,7 @@ class TrainerExecutor:
         """Sum of every weight of the model (each shard counted once), in float64."""
         from megatron.core import parallel_state as ps
 
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.roles.device)
         for name, p in self.trainer.policy.module.named_parameters():
             replicated = "norm" in name and ps.get_tensor_model_parallel_rank() != 0
             tied_copy = name == "output_layer.weight" and self.spec.tie_word_embeddings

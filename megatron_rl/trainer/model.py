@@ -3,9 +3,9 @@
 Everything about the model's shape on this rank comes from the run's `TrainerLayout`: TP and PP sizes, the
 layers of each pipeline stage (uneven first/last stages as Megatron-Core's `num_layers_in_first/last_
 pipeline_stage`), vocabulary padding, and the layer spec (`--transformer-impl`: Megatron's local modules, or
-Transformer Engine's, whose parameter names the layout mapping then uses). Weights are created on the CPU first
-(`use_cpu_initialization`) so that every TP layout of the same seed holds the same full weights, which is what
-the parity tests rely on.
+Transformer Engine's, whose parameter names the layout mapping then uses). As in Megatron-LM, weights are created
+on the rank's GPU unless `use_cpu_initialization` (Megatron's --use-cpu-initialization, always on for a CPU rank):
+then every TP layout of the same seed holds the same full weights, which is what the parity tests rely on.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def have_transformer_engine() -> bool:
 
 
 def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: torch.dtype = torch.float32,
-                       **overrides):
+                       use_cpu_initialization: bool = True, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout.validate(spec)
@@ -58,7 +58,7 @@ def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: 
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,
-        use_cpu_initialization=True,
+        use_cpu_initialization=use_cpu_initialization,
         init_method_std=0.02,
     )
     kwargs.update(overrides)

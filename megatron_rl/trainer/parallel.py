@@ -6,13 +6,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import cpu_compat
+from megatron_rl.device import select_device
 from megatron_rl.models.layout import TrainerLayout
 from megatron_rl.models.spec import ModelSpec
 
 
-def initialize(layout: TrainerLayout, spec: ModelSpec | None = None, seed: int = 1234) -> None:
+def initialize(layout: TrainerLayout, spec: ModelSpec | None = None, seed: int = 1234,
+               device: torch.device | str | None = None) -> torch.device:
     """Set up Megatron-Core's parallel state and RNG on an already initialized process group whose ranks are
-    exactly the trainer's."""
+    exactly the trainer's, for a rank computing on `device` (default: `select_device("auto")`, which also makes it
+    the current CUDA device). On a CPU, Megatron-Core's CUDA assumptions are patched (`cpu_compat`). Returns the
+    device."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -24,14 +28,15 @@ def initialize(layout: TrainerLayout, spec: ModelSpec | None = None, seed: int =
                          f"({layout.describe()})")
     if spec is not None:
         layout.validate(spec)
-    cpu_compat.apply()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    device = select_device() if device is None else torch.device(device)
+    if device.type == "cpu":
+        cpu_compat.apply(force=True)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_parallel_size,
     )
     model_parallel_cuda_manual_seed(seed)
+    return device
 
 
 def destroy() -> None:

@@ -28,6 +28,7 @@ class Policy:
     model: Any  # megatron DistributedDataParallel around GPTModel
     optimizer: Any  # megatron MegatronOptimizer
     config: Any  # TransformerConfig
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))  # parameters and batches
 
     @property
     def module(self) -> torch.nn.Module:
@@ -50,18 +51,27 @@ def build_policy(
     bf16: bool = False,
     use_distributed_optimizer: bool = False,
     init_weights: Callable[[torch.nn.Module], None] | None = None,
+    device: torch.device | str | None = None,
+    use_cpu_initialization: bool = False,
 ) -> Policy:
-    """Build this rank's model shard, wrap it in Megatron DDP and create Megatron's optimizer.
+    """Build this rank's model shard on `device` (default: the current CUDA device, else the CPU), wrap it in
+    Megatron DDP and create Megatron's optimizer.
 
-    `init_weights(module)` runs before the DDP wrapper copies parameters into its buffers (e.g. loading HF
-    weights).
+    bf16 follows Megatron: bf16 parameters and compute, gradients reduced and accumulated in fp32 (`main_grad`),
+    fp32 main parameters and Adam states in the optimizer. `init_weights(module)` runs before the DDP wrapper
+    copies parameters into its buffers (e.g. loading HF weights). The weights are initialized on the CPU first
+    when `use_cpu_initialization` or `device` is the CPU.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    config = transformer_config(spec, layout, params_dtype=dtype)
-    module = build_gpt_model(spec, layout, config)
+    config = transformer_config(spec, layout, params_dtype=dtype,
+                                use_cpu_initialization=use_cpu_initialization or device.type == "cpu")
+    module = build_gpt_model(spec, layout, config).to(device)  # a no-op for weights made on the device
     if init_weights is not None:
         init_weights(module)
     ddp_config = DistributedDataParallelConfig(
@@ -77,7 +87,7 @@ def build_policy(
     config.grad_scale_func = opt.scale_loss if bf16 else None
     config.finalize_model_grads_func = _finalize_model_grads
     config.no_sync_func = model.no_sync
-    return Policy(spec, layout, model, opt, config)
+    return Policy(spec, layout, model, opt, config, device)
 
 
 def _finalize_model_grads(model, num_tokens=None, **kwargs):
@@ -138,7 +148,7 @@ def grads_finite(policy: Policy) -> bool:
     Megatron's DDP (every main_grad is a view into one), then one all-reduce over the trainer."""
     local = all(bool(torch.isfinite(b.grad_data).all())
                 for b in policy.model.buffers + policy.model.expert_parallel_buffers)
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=policy.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

@@ -64,7 +64,7 @@ class PolicyTrainer:
         local = batch.rows(slice(dp_rank * share, (dp_rank + 1) * share))
         out = []
         for i in range(0, share, mbs):
-            part = local.rows(slice(i, i + mbs))
+            part = local.rows(slice(i, i + mbs)).to(self.policy.device)
             mb = {"tokens": part.tokens, "input_ids": part.tokens, "loss_mask": part.loss_mask,
                   "behavior_logprobs": part.behavior_logprobs, "advantages": part.advantages}
             if part.ref_logprobs is not None:
@@ -102,10 +102,11 @@ class PolicyTrainer:
 
         group = ps.get_data_parallel_group()
         scalars = torch.tensor([sum(float(s[k]) for s in stats) if any(k in s for s in stats) else 0.0
-                                for k in ("loss", "pg_loss", "entropy", "kl_ref")], dtype=torch.float64)
+                                for k in ("loss", "pg_loss", "entropy", "kl_ref")], dtype=torch.float64,
+                               device=self.policy.device)
         dist.all_reduce(scalars, group=group)  # each micro-batch's value is already a share of the global mean
-        lp = torch.cat([s["logprobs"] for s in stats])
-        blp = torch.cat([s["behavior_logprobs"] for s in stats])
+        lp = torch.cat([s["logprobs"] for s in stats]).cpu()  # gathered as Python objects: through the host
+        blp = torch.cat([s["behavior_logprobs"] for s in stats]).cpu()
         gathered: list[Any] = [None] * ps.get_data_parallel_world_size()
         dist.all_gather_object(gathered, (lp, blp), group=group)
         lp = torch.cat([g[0] for g in gathered]).unsqueeze(0)
@@ -130,7 +131,7 @@ class PolicyTrainer:
             return logits.sum() * 0, {"logprobs": lp}
 
         out = run_microbatches(self.policy, self._microbatches(batch), fn, forward_only=True)
-        local = torch.cat([o["logprobs"] for o in out]) if out else None
+        local = torch.cat([o["logprobs"] for o in out]).cpu() if out else None
         local = _share_from_last_stage(local)
         gathered: list[Any] = [None] * ps.get_data_parallel_world_size()
         dist.all_gather_object(gathered, local, group=ps.get_data_parallel_group())
