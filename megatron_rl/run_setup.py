@@ -3,8 +3,9 @@
 `build_run_setup(args, world_size)` loads the tokenizer and the model architecture, builds the trainer's and
 the generators' layouts from the flags and the world size, and validates them all: the layouts against the
 model, Megatron-Core's own TransformerConfig checks (uneven pipeline stages included), the DDMA plan between
-the two layouts, and a `--load` checkpoint against the model. `--dry-run` and a real launch call this same
-function, so whatever the dry run accepts the run accepts, and the other way round.
+the two layouts, a `--load` checkpoint against the model, and the `--sglang-<flag>` server flags
+(`rollout/sglang_flags.py`). `--dry-run` and a real launch call this same function, so whatever the dry run
+accepts the run accepts, and the other way round.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class RunSetup:
     spec: ModelSpec
     trainer: TrainerLayout
     generator: GeneratorLayout
+    # --sglang-<flag> values, checked and typed (sglang_flags.check_server_flags): what each launched SGLang server
+    # gets on top of the run's own server arguments. Empty for the built-in engine.
+    sglang_flags: dict = dataclasses.field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -117,6 +121,7 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     from megatron_rl import checkpointing
     from megatron_rl.ddma.plan import validate as validate_plan
     from megatron_rl.rewards.registry import reward_factory
+    from megatron_rl.rollout.sglang_flags import check_server_flags
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args)
     spec = model_spec(args, tokenizer)
@@ -132,4 +137,5 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
         raise ValueError(f"--data-path {args.data_path!r}: no such file")
     if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
         checkpointing.check_checkpoint(args.load, spec, trainer.transformer_impl)
-    return RunSetup(args, tokenizer, spec, trainer, generator)
+    sglang_flags = check_server_flags(args.sglang) if getattr(args, "sglang", None) else {}
+    return RunSetup(args, tokenizer, spec, trainer, generator, sglang_flags)

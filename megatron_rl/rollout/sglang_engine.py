@@ -106,6 +106,9 @@ class SGLangEngine:
         self.pause_mode: str | None = None  # while paused: how (PAUSE_MODES)
         self.restarts = 0
         self.rerun_requests = 0  # requests sent again after a restart
+        # Received shards go to the server through shared memory, which it may read after the next update began:
+        # DDMA gives every update fresh tensors.
+        self.reusable_receive_buffers = False
         self._pool = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-request")
         self._pending: dict[cf.Future, tuple[str, list[int], dict]] = {}
         self._staged: dict[str, torch.Tensor] | None = None
@@ -327,12 +330,12 @@ def _share_from_leader(box: list, group) -> None:
 def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, model_dir: str, log_path: str,
                          port: int | None = None, url: str | None = None, extra_flags: dict | None = None,
                          dtype: str = "float32", load_format: str = "dummy", max_total_tokens: int = 65536,
-                         timeout_s: float = 600.0, required_flags: dict | None = None,
+                         timeout_s: float = 600.0, required_flags: dict | None = None, replica: int | None = None,
                          **engine_options) -> SGLangEngine:
-    """Called on every rank of a generator replica. The leader launches its SGLang server (or attaches to
-    `url`) and checks that it serves `spec` at `tp_size` with `required_flags` (given to a server it launches);
-    every rank learns whether that worked and raises the leader's error if not, so no rank is left waiting on
-    a replica that never came up."""
+    """Called on every rank of a generator replica (`replica`: its index, for messages). The leader launches its
+    SGLang server on its own GPUs (or attaches to `url`) and checks that it serves `spec` at `tp_size` with
+    `required_flags` (given to a server it launches); every rank learns whether that worked and raises the
+    leader's error if not, so no rank is left waiting on a replica that never came up."""
     from megatron_rl.launch import free_port
 
     server, error = None, [None]
@@ -344,7 +347,7 @@ def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, 
                 server = SGLangServer.launch(model_dir, tp_size, port or free_port(), log_path, dtype=dtype,
                                              max_total_tokens=max_total_tokens,
                                              extra_flags={**(extra_flags or {}), **(required_flags or {})},
-                                             load_format=load_format, timeout_s=timeout_s)
+                                             load_format=load_format, timeout_s=timeout_s, replica=replica)
             server.check(spec, tp_size, required_flags)
         except Exception as e:  # noqa: BLE001 - reported to every rank of the replica, then raised
             error[0] = f"{type(e).__name__}: {e}"

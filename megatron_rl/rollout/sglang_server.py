@@ -1,9 +1,11 @@
 """One SGLang HTTP server per generator replica: launch it (or attach to a running one), wait until it
 answers, check that it serves the model and TP size the run expects, and report its log when it dies.
 
-Launching uses `python -m sglang.launch_server` in this interpreter's environment. On a machine without
-CUDA the server gets SGLang's torch-native CPU flags (README, "SGLang on CPU"). Extra server flags come
-from `--sglang-<flag>` on the megatron-rl command line, passed through unchanged.
+Launching uses `python -m sglang.launch_server` in this interpreter's environment; `launch_command` builds its
+command line and environment from explicit inputs (no process is started there, so it is unit-tested on CPU).
+On a machine with CUDA each replica's server gets the GPUs of its generator ranks (`server_gpu_flags`); on a
+machine without CUDA it gets SGLang's torch-native CPU flags (README, "SGLang generators"). Extra server flags
+come from `--sglang-<flag>` on the megatron-rl command line, checked at run setup (`sglang_flags.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 
 import requests
 import torch
@@ -38,14 +41,102 @@ LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def _flag_list(flags: dict) -> list[str]:
+    """Server arguments as command-line words: True is a bare switch, False/None are left out, a list is one
+    flag followed by its values (SGLang's nargs="+" flags)."""
     out = []
     for key, value in flags.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             out.append(flag)
-        elif value not in (False, None):
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        elif value is not False and value is not None:  # by identity: 0 (GPU 0, a zero setting) is a value
             out += [flag, str(value)]
     return out
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    """An integer launcher variable (torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE), None when unset."""
+    value = environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def server_gpu_flags(local_rank: int, tp_size: int, cuda_visible_devices: str | None, cuda_available: bool, *,
+                     gpu_id_step: int = 1, local_world_size: int | None = None, device_count: int | None = None,
+                     replica: int | None = None) -> dict:
+    """SGLang's `base_gpu_id` for one replica's server: the node-local rank of the replica's leader.
+
+    Generator ranks of a replica are consecutive global ranks and torchrun numbers them LOCAL_RANK .. LOCAL_RANK
+    + tp_size - 1 on their node, one GPU each, so the server takes those GPUs (SGLang's TP rank i runs on GPU
+    base_gpu_id + i * gpu_id_step); without this every server of a node would start at GPU 0. SGLang's GPU ids
+    index the devices CUDA_VISIBLE_DEVICES leaves visible, so when it is set it must list enough of them; a
+    replica whose ranks would straddle two nodes (LOCAL_WORLD_SIZE) cannot have one server. Without CUDA
+    (SGLang's CPU path) there are no GPU ids: returns {}. Raises ValueError naming the variables and the replica.
+    """
+    if not cuda_available:
+        return {}
+    who = f"generator replica {replica}" if replica is not None else "this generator replica"
+    if local_rank < 0:
+        raise ValueError(f"{who}: LOCAL_RANK={local_rank} is negative")
+    if local_world_size is not None and local_rank + tp_size > local_world_size:
+        raise ValueError(f"{who} straddles two nodes: its leader has LOCAL_RANK={local_rank} of "
+                         f"LOCAL_WORLD_SIZE={local_world_size}, and its SGLang server needs its {tp_size} GPUs "
+                         f"(--rollout-tensor-parallel-size) on one node; make the trainer's ranks and each replica's "
+                         f"fill whole nodes")
+    needed = local_rank + (tp_size - 1) * gpu_id_step + 1  # GPUs 0 .. the server's last, as SGLang indexes them
+    if cuda_visible_devices is not None:
+        visible = [d for d in cuda_visible_devices.split(",") if d.strip()]
+        if len(visible) < needed:
+            raise ValueError(f"{who}: CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} lists {len(visible)} GPU(s), but "
+                             f"its SGLang server (leader LOCAL_RANK={local_rank}, --rollout-tensor-parallel-size "
+                             f"{tp_size}, gpu_id_step {gpu_id_step}) needs visible GPUs up to index {needed - 1}; "
+                             f"list every GPU of the node, or set --sglang-base-gpu-id")
+    elif device_count is not None and device_count < needed:
+        raise ValueError(f"{who}: this node has {device_count} GPU(s), but its SGLang server (leader "
+                         f"LOCAL_RANK={local_rank}, --rollout-tensor-parallel-size {tp_size}, gpu_id_step "
+                         f"{gpu_id_step}) needs GPUs up to index {needed - 1}; or set --sglang-base-gpu-id")
+    return {"base_gpu_id": local_rank}
+
+
+def launch_command(model_path: str, tp_size: int, port: int, *, environ: Mapping[str, str], cuda_available: bool,
+                   device_count: int | None = None, cpu_count: int = 1, dtype: str = "float32",
+                   max_total_tokens: int = 65536, extra_flags: dict | None = None, load_format: str = "dummy",
+                   host: str = "127.0.0.1", replica: int | None = None,
+                   python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one replica's `sglang.launch_server`, from explicit inputs: `environ`
+    is the launching (leader) process's environment (LOCAL_RANK, LOCAL_WORLD_SIZE, CUDA_VISIBLE_DEVICES are read
+    from it), `cuda_available` / `device_count` / `cpu_count` describe the machine. Nothing is started.
+
+    The server's flags are the run's (model, TP size, address, dtype, token ids in, start-up weights and their
+    version, KV cache size), then its placement (GPUs from `server_gpu_flags`, or SGLang's CPU flags), then
+    `extra_flags`, which override: `--sglang-base-gpu-id` replaces the computed GPU placement."""
+    extra_flags = dict(extra_flags or {})
+    flags = {"model_path": model_path, "tp_size": tp_size, "host": host, "port": port, "dtype": dtype,
+             "load_format": load_format, "skip_tokenizer_init": True,
+             "weight_version": "-1" if load_format == "dummy" else "0",
+             "max_total_tokens": max_total_tokens}
+    # The server runs its own torch.distributed world: it must not see this process's launcher settings
+    # (torchrun's RANK / WORLD_SIZE / MASTER_PORT would make its TP workers join the training job's).
+    env = {k: v for k, v in environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    if cuda_available:
+        if "base_gpu_id" not in extra_flags:
+            flags.update(server_gpu_flags(_env_int(environ, "LOCAL_RANK") or 0, tp_size,
+                                          environ.get("CUDA_VISIBLE_DEVICES"), True,
+                                          gpu_id_step=int(extra_flags.get("gpu_id_step", 1)),
+                                          local_world_size=_env_int(environ, "LOCAL_WORLD_SIZE"),
+                                          device_count=device_count, replica=replica))
+    else:
+        flags.update(CPU_FLAGS)
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        # One OpenMP core set per TP rank ("0|1" for two ranks); ranks share cores when there are fewer.
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % max(cpu_count, 1)) for r in range(tp_size)))
+    flags.update(extra_flags)
+    return [python, "-m", "sglang.launch_server", *_flag_list(flags)], env
 
 
 def write_model_dir(spec: ModelSpec, directory: str, eos_token_id: int | None = None, fp8: bool = False) -> str:
@@ -82,28 +173,19 @@ class SGLangServer:
     @classmethod
     def launch(cls, model_path: str, tp_size: int, port: int, log_path: str, dtype: str = "float32",
                max_total_tokens: int = 65536, extra_flags: dict | None = None, load_format: str = "dummy",
-               host: str = "127.0.0.1", timeout_s: float = 600.0) -> SGLangServer:
-        """`load_format="dummy"` starts with random weights, reported as weight version -1 until the first
-        update; any other format loads the checkpoint, served as version 0. `max_total_tokens` sizes the
-        KV cache: on CPU SGLang cannot measure the memory free per rank and would otherwise size it from
-        the whole machine's memory."""
-        flags = {"model_path": model_path, "tp_size": tp_size, "host": host, "port": port, "dtype": dtype,
-                 "load_format": load_format, "skip_tokenizer_init": True,
-                 "weight_version": "-1" if load_format == "dummy" else "0",
-                 "max_total_tokens": max_total_tokens}
-        # The server runs its own torch.distributed world: it must not see this process's launcher settings
-        # (torchrun's RANK / WORLD_SIZE / MASTER_PORT would make its TP workers join the training job's).
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
-        if not torch.cuda.is_available():
-            flags.update(CPU_FLAGS)
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-            cores = os.cpu_count() or 1
-            # One OpenMP core set per TP rank ("0|1" for two ranks); ranks share cores when there are fewer.
-            env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(tp_size)))
-        flags.update(extra_flags or {})
+               host: str = "127.0.0.1", timeout_s: float = 600.0, replica: int | None = None) -> SGLangServer:
+        """Start a server from this process (a replica's leader; `launch_command` says with which flags, GPUs
+        and environment) and wait until it answers. `load_format="dummy"` starts with random weights, reported
+        as weight version -1 until the first update; any other format loads the checkpoint, served as version 0.
+        `max_total_tokens` sizes the KV cache: on CPU SGLang cannot measure the memory free per rank and would
+        otherwise size it from the whole machine's memory."""
+        cuda = torch.cuda.is_available()
+        command, env = launch_command(model_path, tp_size, port, environ=os.environ, cuda_available=cuda,
+                                      device_count=torch.cuda.device_count() if cuda else None,
+                                      cpu_count=os.cpu_count() or 1, dtype=dtype, max_total_tokens=max_total_tokens,
+                                      extra_flags=extra_flags, load_format=load_format, host=host, replica=replica)
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-        server = cls(f"http://{host}:{port}", log_path, [sys.executable, "-m", "sglang.launch_server",
-                                                          *_flag_list(flags)], env, timeout_s)
+        server = cls(f"http://{host}:{port}", log_path, command, env, timeout_s)
         server.start()
         return server
 
