@@ -1,5 +1,5 @@
 """python -m megatron_rl.bench {async,ddma,engine,trainer,reward,fp8,all} [--quick]: one JSON object per benchmark,
-and as the last line one object with all of them (`all` runs every benchmark but fp8, which needs a GPU)."""
+and as the last line one object with all of them (`all` runs every benchmark but fp8 and gpu, which need a GPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import time
 
 BENCHMARKS = ("async", "ddma", "engine", "trainer", "reward")
-GPU_ONLY = ("fp8",)
+GPU_ONLY = ("fp8", "gpu")
 
 
 def main(argv=None) -> int:
