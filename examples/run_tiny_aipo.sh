@@ -13,9 +13,8 @@ source "$(dirname "$0")/launch_common.sh"
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/tiny_aipo}
 GPUS_PER_NODE=${GPUS_PER_NODE:-3}  # processes: 2 trainer ranks + 1 generator
 NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29511}
+single_node_defaults 127.0.0.1  # across nodes NODE_RANK and MASTER_ADDR come from the environment
 MODEL_ARGS=(
     --model tiny-arith --seq-length 32
 )
@@ -43,9 +42,12 @@ run() {
 
 run "$OUTPUT_DIR" "$@"
 [[ " $* " == *" --dry-run "* ]] && exit 0
+PLOT_ARGS=("$OUTPUT_DIR")
 if [[ "${COMPARE_SYNC:-0}" == "1" ]]; then
     run "$OUTPUT_DIR/sync" --async-mode off "$@"
-    python -m megatron_rl.plot "$OUTPUT_DIR" --baseline "$OUTPUT_DIR/sync"
-else
-    python -m megatron_rl.plot "$OUTPUT_DIR"
+    PLOT_ARGS+=(--baseline "$OUTPUT_DIR/sync")
+fi
+# Only node 0 plots: metrics.jsonl is written by the controller (global rank 0), which runs on node 0.
+if [[ "$NODE_RANK" == 0 ]]; then
+    python -m megatron_rl.plot "${PLOT_ARGS[@]}"
 fi
