@@ -147,13 +147,13 @@ def test_in_place_pause_keeps_the_kv_cache_across_an_update(model_a, model_b, tm
     engine = start_replica_engine(SPEC, 1, None, True, model_a, str(tmp_path / "server.log"), load_format="auto",
                                   required_flags=IN_PLACE_SERVER_FLAGS)
     try:
-        out = _swap_mid_request(engine, PROMPTS[1], 600, 150, model_b, "in_place")
+        out = _swap_mid_request(engine, PROMPTS[1], 1500, 150, model_b, "in_place")  # room to pause before the end
     finally:
         engine.shutdown()
     switch = out.versions.index(1)
-    assert 0 < switch < len(out.token_ids) == 600
-    assert out.versions == [0] * switch + [1] * (600 - switch) and out.num_retractions == 0
-    want = _builtin_in_place_switch(model_a, model_b, PROMPTS[1], 600, switch)
+    assert 0 < switch < len(out.token_ids) == 1500
+    assert out.versions == [0] * switch + [1] * (1500 - switch) and out.num_retractions == 0
+    want = _builtin_in_place_switch(model_a, model_b, PROMPTS[1], 1500, switch)
     assert out.token_ids == want.token_ids
     torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(want.logprobs), atol=ATOL, rtol=0)
 

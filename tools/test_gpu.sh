@@ -6,7 +6,8 @@
 #
 # The GPU machine is expected to have Python 3.12 with a CUDA build of torch, transformers, safetensors, numpy,
 # sympy, pytest and matplotlib; `pack` fetches the rest for CPython 3.12 on manylinux x86-64 (megatron-core and
-# math-verify with its parser), about 3 MB. What runs: tests_gpu/ (a trainer step on the GPU against the CPU step,
+# math-verify with its parser), about 3 MB; .whl/ is git-ignored, so whatever copies the working tree to the GPU
+# machine must take it along. What runs: tests_gpu/ (a trainer step on the GPU against the CPU step,
 # the engine's greedy tokens against transformers on the GPU, its FP8 GEMM path, the tiny RL example on one GPU),
 # then `python -m megatron_rl.bench fp8` and `gpu` (a ~1B random Llama: trainer tokens/s and MFU, engine decode
 # tokens/s at batch 1/32/128). Results: $OUT (or ./) gpu_tier.log and bench_gpu.jsonl. On a machine without a GPU
