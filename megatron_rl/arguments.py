@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--ffn-hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--num-query-groups", type=int)
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads (Megatron-LM's pair)")
+    g.add_argument("--num-query-groups", type=int, help="key/value heads; needs --group-query-attention")
+    g.add_argument("--max-position-embeddings", type=int, help="override the architecture's maximum positions")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
                    help="Megatron-Core layer spec: Megatron's local modules, or Transformer Engine's (GPU; its fused "
@@ -53,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoder-first-pipeline-num-layers", type=int)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int)
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron-Core sequence parallelism over the tensor-parallel group (norms and dropout on "
+                        "sequence shards); needs --tensor-model-parallel-size > 1 and Transformer Engine or Apex norms")
     g.add_argument("--distributed-timeout-minutes", type=int, default=30,
                    help="timeout of the run's process groups (a collective waiting this long fails)")
     g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
@@ -68,12 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=int, default=40, help="RL optimizer steps")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"],
+                   help="activation recomputation (Megatron-Core): full = whole layers, selective = core attention")
+    g.add_argument("--recompute-method", choices=["uniform", "block"],
+                   help="with --recompute-granularity full: which layers (Megatron-LM's meaning)")
+    g.add_argument("--recompute-num-layers", type=int, help="layers per recomputed unit (uniform) or per stage (block)")
 
     g = p.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-style", default="constant", choices=["constant", "linear", "cosine"])
+    g.add_argument("--lr-decay-style", default="constant",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   help="Megatron's schedules over --train-iters; WSD: warmup, stable, then --lr-wsd-decay-iters of "
+                        "decay")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["linear", "cosine", "exponential", "minus_sqrt"])
+    g.add_argument("--lr-wsd-decay-iters", type=int, help="the decay phase of --lr-decay-style WSD, in steps")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -270,7 +287,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                  "--log-interval",
                  "--global-batch-size", "--rollout-tensor-parallel-size", "--rollout-num-replicas",
                  "--n-samples-per-prompt", "--rollout-max-response-len", "--reward-timeout",
-                 "--async-alternate-steps"):
+                 "--async-alternate-steps", "--recompute-num-layers", "--lr-wsd-decay-iters",
+                 "--max-position-embeddings"):
         positive(flag)
     if args.global_batch_size % args.n_samples_per_prompt:
         parser.error(f"--global-batch-size {args.global_batch_size} is not a multiple of --n-samples-per-prompt "
@@ -288,6 +306,19 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.kl_coef:
         parser.error(f"--kl-coef {args.kl_coef}: the KL penalty needs a reference policy's log-probs, which runs "
                      "do not compute yet; use --kl-coef 0")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        parser.error(f"--num-query-groups {args.num_query_groups} needs --group-query-attention (as in Megatron-LM)")
+    if args.group_query_attention and args.num_query_groups is None:
+        parser.error("--group-query-attention needs --num-query-groups")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        parser.error("--sequence-parallel shards over the tensor-parallel group: it needs "
+                     "--tensor-model-parallel-size > 1")
+    if args.recompute_method and args.recompute_granularity != "full":
+        parser.error(f"--recompute-method {args.recompute_method} needs --recompute-granularity full")
+    if (args.recompute_method is None) != (args.recompute_num_layers is None):
+        parser.error("--recompute-method and --recompute-num-layers go together (Megatron-Core needs both)")
+    if args.lr_decay_style == "WSD" and not args.lr_wsd_decay_iters:
+        parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters (the steps of its decay phase)")
     if args.save_interval and not args.save:
         parser.error("--save-interval needs --save")
     if args.rollout_backend == "sglang":

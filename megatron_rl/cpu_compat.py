@@ -8,6 +8,7 @@ when the rank computes on a CPU: on a GPU nothing here runs and Megatron-Core is
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -119,6 +120,13 @@ def _patch_megatron() -> None:
     mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
         torch.default_generator.set_state(new_state)
     )
+
+    # The backward pass runs with _CudaToCpu off (a mode is popped while its handler runs `torch.autograd.backward`),
+    # and activation recomputation reruns attention there, whose causal mask is made with device="cuda".
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = functools.lru_cache(maxsize=None)(
+        lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool())
 
     with contextlib.suppress(ImportError):
         from megatron.core.inference import communication_utils

@@ -11,6 +11,7 @@ accepts the run accepts, and the other way round.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import zlib
@@ -71,7 +72,8 @@ def model_spec(args, tokenizer) -> ModelSpec:
     overrides = {k: v for k, v in (("num_layers", args.num_layers), ("hidden_size", args.hidden_size),
                                    ("ffn_hidden_size", args.ffn_hidden_size),
                                    ("num_attention_heads", args.num_attention_heads),
-                                   ("num_key_value_heads", args.num_query_groups)) if v is not None}
+                                   ("num_key_value_heads", args.num_query_groups),
+                                   ("max_position_embeddings", args.max_position_embeddings)) if v is not None}
     spec = spec.replace(**overrides) if overrides else spec
     if len(tokenizer) > spec.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but model {spec.name!r} has vocab_size "
@@ -92,7 +94,9 @@ def layouts(args, world_size: int) -> tuple[TrainerLayout, GeneratorLayout]:
                          f"--pipeline-model-parallel-size {pp}")
     trainer = TrainerLayout(tp, pp, trainer_world // (tp * pp), args.make_vocab_size_divisible_by,
                             args.transformer_impl, args.decoder_first_pipeline_num_layers,
-                            args.decoder_last_pipeline_num_layers, dtype_bytes=2 if args.bf16 else 4)
+                            args.decoder_last_pipeline_num_layers, dtype_bytes=2 if args.bf16 else 4,
+                            sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
+                            recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
     generator = GeneratorLayout(gtp, replicas, args.rollout_fp8, first_rank=trainer_world)
     return trainer, generator
 
@@ -113,6 +117,10 @@ def check_megatron_config(spec: ModelSpec, trainer: TrainerLayout) -> None:
     except (ValueError, AssertionError) as e:
         raise ValueError(f"Megatron-Core refuses the trainer layout ({trainer.describe()}, model {spec.name!r}): "
                          f"{e}") from None
+    if trainer.sequence_parallel and not trainer.transformer_engine and importlib.util.find_spec("apex") is None:
+        raise ValueError("--sequence-parallel needs norms that Megatron-Core can run on sequence shards: "
+                         "--transformer-impl transformer_engine, or Apex for the local spec (its torch norm refuses "
+                         "sequence parallelism)")
 
 
 def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:

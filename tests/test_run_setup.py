@@ -43,6 +43,17 @@ def test_layouts_take_every_flag_and_the_world_size():
     assert (g.tensor_parallel_size, g.num_replicas, g.first_rank) == (1, 1, 8) and setup.world_size == 9
 
 
+def test_megatron_lm_model_and_memory_flags_reach_the_trainer():
+    from megatron_rl.trainer.model import transformer_config
+
+    setup = _setup(2, "--group-query-attention", "--num-query-groups", "1", "--max-position-embeddings", "512",
+                   "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+    assert (setup.spec.num_key_value_heads, setup.spec.max_position_embeddings) == (1, 512)
+    config = transformer_config(setup.spec, setup.trainer)
+    assert (config.num_query_groups, config.recompute_granularity, config.recompute_method,
+            config.recompute_num_layers) == (1, "full", "uniform", 1)
+
+
 def test_uneven_stages_reach_megatron_and_the_405b_config_passes_a_launchs_validation():
     from megatron_rl.trainer.model import transformer_config
 
@@ -63,6 +74,12 @@ def test_uneven_stages_reach_megatron_and_the_405b_config_passes_a_launchs_valid
     (["--log-interval", "0"], "--log-interval must be >= 1, got 0"),
     (["--kl-coef", "0.1"], "--kl-coef 0.1: the KL penalty needs a reference policy's log-probs"),
     (["--sft-warmup-iters", "2", "--data-path", "x.jsonl"], "--sft-warmup-iters needs the arithmetic task"),
+    (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
+    (["--group-query-attention"], "--group-query-attention needs --num-query-groups"),
+    (["--sequence-parallel"], "--sequence-parallel shards over the tensor-parallel group"),
+    (["--recompute-method", "uniform", "--recompute-num-layers", "1"], "needs --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-method", "block"], "go together"),
+    (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
 ])
 def test_flags_that_cannot_work_together_are_refused_by_the_parser(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -76,6 +93,7 @@ def test_flags_that_cannot_work_together_are_refused_by_the_parser(flags, messag
     (2, ["--reward-fn", "nope"], r"--reward-fn 'nope': not a registered name"),
     (2, ["--reward-fn", "json:no_such_function"], r"module 'json' has no callable 'no_such_function'"),
     (2, ["--data-path", "/no/such/prompts.jsonl"], r"--data-path '/no/such/prompts.jsonl': no such file"),
+    (3, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], r"--sequence-parallel needs norms"),
 ])
 def test_what_would_fail_later_in_the_run_fails_in_the_setup(world, flags, pattern):
     with pytest.raises(ValueError, match=pattern):

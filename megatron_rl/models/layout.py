@@ -196,7 +196,9 @@ class TrainerLayout:
     TP x PP x DP ranks; vocabulary padding; the layer spec (`local`, or `transformer_engine` whose linear layers
     carry the norms before them); layers split evenly over PP stages unless the first and/or last stage get their
     own count (Megatron's --decoder-first/last-pipeline-num-layers, e.g. 126 layers over 16 stages as
-    7 + 14 x 8 + 7); and the bytes per element of the trainer's weights (what DDMA sends).
+    7 + 14 x 8 + 7); the bytes per element of the trainer's weights (what DDMA sends); and the memory-for-compute
+    choices that Megatron-Core's TransformerConfig takes with them (sequence parallelism, activation recompute),
+    which change no weight's shape or place.
     """
 
     tensor_parallel_size: int = 1
@@ -207,6 +209,10 @@ class TrainerLayout:
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     dtype_bytes: int = 2
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None  # "full" | "selective"
+    recompute_method: str | None = None  # "uniform" | "block" (full recompute)
+    recompute_num_layers: int | None = None
 
     @property
     def model_parallel_size(self) -> int:

@@ -72,6 +72,17 @@ class TrainBatch:
         return TrainBatch(self.tokens[index], self.loss_mask[index], self.behavior_logprobs[index],
                           self.advantages[index], None if self.ref_logprobs is None else self.ref_logprobs[index])
 
+    def padded(self, multiple: int) -> TrainBatch:
+        """The same batch right-padded to a sequence length that is a multiple of `multiple` (padding is masked)."""
+        extra = -self.tokens.shape[1] % multiple
+        if not extra:
+            return self
+
+        def pad(t):
+            return None if t is None else torch.nn.functional.pad(t, (0, extra))
+        return TrainBatch(pad(self.tokens), pad(self.loss_mask), pad(self.behavior_logprobs), self.advantages,
+                          pad(self.ref_logprobs))
+
     def to(self, device: torch.device | str) -> TrainBatch:
         """The same batch on `device` (the trainer's): every tensor moved, none copied when already there."""
         def move(t):

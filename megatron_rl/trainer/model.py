@@ -60,6 +60,10 @@ def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: 
         pipeline_dtype=params_dtype,
         use_cpu_initialization=use_cpu_initialization,
         init_method_std=0.02,
+        sequence_parallel=layout.sequence_parallel,
+        recompute_granularity=layout.recompute_granularity,
+        recompute_method=layout.recompute_method,
+        recompute_num_layers=layout.recompute_num_layers,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -62,6 +62,8 @@ class PolicyTrainer:
                              f"--micro-batch-size {mbs}")
         share = n // dp
         local = batch.rows(slice(dp_rank * share, (dp_rank + 1) * share))
+        if self.policy.config.sequence_parallel:  # Megatron splits the sequence over the TP ranks
+            local = local.padded(ps.get_tensor_model_parallel_world_size())
         out = []
         for i in range(0, share, mbs):
             part = local.rows(slice(i, i + mbs)).to(self.policy.device)
@@ -150,8 +152,10 @@ def _share_from_last_stage(obj):
     return box[0]
 
 
-def build_scheduler(policy: Policy, warmup_steps: int = 0, decay_steps: int = 1, decay_style: str = "constant"):
-    """Megatron's learning-rate scheduler over optimizer steps, between the optimizer's lr and min_lr."""
+def build_scheduler(policy: Policy, warmup_steps: int = 0, decay_steps: int = 1, decay_style: str = "constant",
+                    wsd_decay_steps: int | None = None, wsd_decay_style: str = "exponential"):
+    """Megatron's learning-rate scheduler over optimizer steps, between the optimizer's lr and min_lr. WSD:
+    warm-up, a stable phase at lr, then `wsd_decay_steps` of `wsd_decay_style` decay ending at `decay_steps`."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = policy.optimizer.config
@@ -159,5 +163,5 @@ def build_scheduler(policy: Policy, warmup_steps: int = 0, decay_steps: int = 1,
         policy.optimizer, init_lr=0.0 if warmup_steps else config.lr, max_lr=config.lr, min_lr=config.min_lr,
         lr_warmup_steps=warmup_steps, lr_decay_steps=max(decay_steps, warmup_steps + 1),
         lr_decay_style=decay_style, start_wd=config.weight_decay, end_wd=config.weight_decay, wd_incr_steps=1,
-        wd_incr_style="constant",
+        wd_incr_style="constant", wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=wsd_decay_style,
     )
