@@ -111,10 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--output-dir", default=os.environ.get("OUTPUT_DIR", "outputs/run"),
                    help="metrics.jsonl, eval.json and plots (env OUTPUT_DIR)")
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=1,
+                   help="steps between console lines when the console is not a terminal (metrics files get every "
+                        "step)")
     g.add_argument("--wandb-project")
     g.add_argument("--wandb-exp-name")
     g.add_argument("--wandb-save-dir")
+    g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
+                   help="default: WANDB_MODE, else online when WANDB_API_KEY is set, else offline")
     g.add_argument("--tensorboard-dir")
     g.add_argument("--log-param-checksum", action="store_true",
                    help="log a float64 sum of all policy weights after each step (for determinism checks)")

@@ -21,7 +21,16 @@ from collections import Counter, defaultdict
 from megatron_rl import checkpointing
 from megatron_rl.buffer import Rollout, RolloutBuffer
 from megatron_rl.data.source import PromptSource
-from megatron_rl.logging import MetricsLogger, RolloutLog, StepTimes, generator_totals, step_metrics, write_json
+from megatron_rl.logging import (
+    MetricsLogger,
+    Progress,
+    RolloutLog,
+    StepTimes,
+    console_fields,
+    generator_totals,
+    step_metrics,
+    write_json,
+)
 from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.failures import RewardFailures
 from megatron_rl.rewards.stage import RewardStage
@@ -60,7 +69,7 @@ class Controller:
         self.logger = MetricsLogger(args.output_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
                                     args.tensorboard_dir, config={k: v for k, v in vars(args).items()
                                                                   if isinstance(v, (int, float, str, bool))},
-                                    append=bool(args.load))
+                                    append=bool(args.load), wandb_mode_flag=args.wandb_mode)
 
     # ---- generators -----------------------------------------------------------------------------------------------
     def encode_prompt(self, text: str) -> list[int]:
@@ -170,17 +179,17 @@ class Controller:
         return sum(v == 1.0 for v in values) / max(len(values), 1)
 
     def sft_warmup(self) -> None:
-        from tqdm import tqdm
-
         eos = self.tokenizer.eos_token_id
-        bar = tqdm(range(self.args.sft_warmup_iters), desc="SFT warm-up", dynamic_ncols=True)
-        for _ in bar:
+        progress = Progress(0, self.args.sft_warmup_iters, "SFT warm-up", self.args.log_interval)
+        for step in range(1, self.args.sft_warmup_iters + 1):
             problems = self.source.sft(self.args.sft_batch_size)
             prompts = [self.encode_prompt(p["prompt"]) for p in problems]
             answers = [self.tokenizer.encode(p["answer"], add_special_tokens=False) + [eos] for p in problems]
             batch = TrainBatch.from_sequences(prompts, answers, [[0.0] * len(a) for a in answers],
                                               [1.0] * len(problems))
-            bar.set_postfix(loss=f"{self.trainer.command('sft', (batch, self.args.sft_lr))['loss']:.3f}")
+            loss = self.trainer.command("sft", (batch, self.args.sft_lr))["loss"]
+            progress.update(step, {"loss": f"{loss:.3f}"})
+        progress.close()
 
     def is_async_step(self, step: int) -> bool:
         if self.args.async_mode == "alternate":  # blocks of steps, the first one asynchronous
@@ -240,11 +249,9 @@ class Controller:
         return step_metrics(rollouts, seen, train_metrics, times, totals, previous, step_s=time.perf_counter() - start,
                             weight_version=self.version, consumed_samples=self.consumed,
                             time_s=time.time() - run_start, skipped_steps=self.skipped_steps,
-                            reward_failures=dict(self.reward_failures.counts), **{"async": ahead})
+                            reward_failures=dict(self.reward_failures.counts), is_async=ahead)
 
     def run(self) -> None:
-        from tqdm import tqdm
-
         args = self.args
         start_step = 0
         if args.load:
@@ -262,18 +269,16 @@ class Controller:
         print(f"held-out accuracy before RL: {accuracy_before:.3f}", flush=True)
         run_start = time.time()
         mode = {"on": "async", "off": "sync", "alternate": "async/sync"}[args.async_mode]
-        bar = tqdm(range(start_step + 1, args.train_iters + 1), initial=start_step, total=args.train_iters,
-                   desc=f"AIPO ({mode})", dynamic_ncols=True)
-        for step in bar:
+        progress = Progress(start_step, args.train_iters, f"{args.loss.upper()} ({mode})", args.log_interval)
+        for step in range(start_step + 1, args.train_iters + 1):
             metrics = self.rl_step(step, run_start)
-            if step % args.log_interval == 0 or step == args.train_iters:
-                self.logger.log(step, metrics)
+            self.logger.log(step, metrics)
             if args.save and args.save_interval and step % args.save_interval == 0:
                 checkpointing.save_rl_checkpoint(args.save, step, self.trainer,
                                                  {"model": self.spec.weight_fields(), **self.state_dict(),
                                                   "transformer_impl": self.layout.transformer_impl})
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
-                            lag=max(map(int, metrics["staleness_histogram"]), default=0))
+            progress.update(step, console_fields(metrics))
+        progress.close()
         accuracy_after = self.evaluate()
         print(f"held-out accuracy after RL: {accuracy_after:.3f}", flush=True)
         write_json(os.path.join(args.output_dir, "eval.json"), {

@@ -1,13 +1,18 @@
-"""Per-step metrics: what one RL step reports (`step_metrics`), written always to a JSONL file and to wandb
-(offline unless WANDB_MODE says otherwise) and tensorboard when asked, with Megatron-LM's flag names
-(--wandb-project, --wandb-exp-name, --wandb-save-dir, --tensorboard-dir; nested dicts become "a/b" keys there);
-and the per-rollout log (--log-rollouts)."""
+"""Per-step metrics: what one RL step reports (`step_metrics`), grouped the way slime and verl users read them
+(`rollout/*`: what was sampled and trained on, `train/*`: the optimizer step, `perf/*`: time and throughput, and
+`eval/<set>/*` from evaluations), written always to a JSONL file (nested groups) and to wandb and tensorboard
+when asked, with Megatron-LM's flag names (--wandb-project, --wandb-exp-name, --wandb-save-dir,
+--tensorboard-dir; groups become "rollout/reward_mean" keys there); the console progress (`Progress`); and the
+per-rollout log (--log-rollouts)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import sys
+import time
 
 from megatron_rl.algorithms.diagnostics import lag_summary
 
@@ -28,10 +33,16 @@ def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
+def wandb_mode(flag: str | None = None) -> str:
+    """--wandb-mode, else WANDB_MODE, else online when an API key is set, else offline (never a silent upload
+    attempt from a machine that has no key)."""
+    return flag or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, wandb_project: str | None = None, wandb_exp_name: str | None = None,
                  wandb_save_dir: str | None = None, tensorboard_dir: str | None = None, config: dict | None = None,
-                 append: bool = False):
+                 append: bool = False, wandb_mode_flag: str | None = None):
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self._file = open(self.path, "a" if append else "w")
@@ -39,9 +50,8 @@ class MetricsLogger:
         if wandb_project:
             import wandb
 
-            os.environ.setdefault("WANDB_MODE", "offline")
             self._wandb = wandb.init(project=wandb_project, name=wandb_exp_name, config=config or {},
-                                     dir=wandb_save_dir or output_dir)
+                                     dir=wandb_save_dir or output_dir, mode=wandb_mode(wandb_mode_flag))
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -106,33 +116,99 @@ def generator_totals(generators: dict[int, dict]) -> dict[str, float]:
     return {k: sum(s.get(k, 0) for s in generators.values()) for k in keys}
 
 
+def _stats(values: list[float]) -> dict[str, float]:
+    mean = sum(values) / len(values)
+    return {"mean": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)),
+            "min": min(values), "max": max(values)}
+
+
 def step_metrics(rollouts: list, seen: dict, train: dict, times: StepTimes, totals: dict, previous: dict,
-                 step_s: float, **fields) -> dict:
-    """One RL step's metrics row. `rollouts`: those trained on; `seen`: what the step popped from the buffer
-    (discards, lag histogram, rewards of every sampled rollout, ages); `totals` and `previous`: the generators'
-    counters now and at the previous step (`generator_totals`); `fields` go in as they are."""
+                 step_s: float, *, weight_version: int, consumed_samples: int, time_s: float, skipped_steps: int,
+                 reward_failures: dict, is_async: bool) -> dict:
+    """One RL step's metrics row, in groups. `rollouts`: those trained on; `seen`: what the step popped from the
+    buffer (discards, lag histogram, rewards of every sampled rollout, ages); `totals` and `previous`: the
+    generators' counters now and at the previous step (`generator_totals`)."""
     delta = {k: totals[k] - previous.get(k, 0) for k in totals}
     sampled = seen["sampled_rewards"]
+    lengths = [len(r.output.token_ids) for r in rollouts]
+    reward = _stats(sampled)  # over every rollout sampled for this step: the policy's performance
     return {
-        **fields,
-        # over every rollout sampled for this step (the policy's performance), and over those trained on
-        # (uniform-reward groups carry no signal and are dropped)
-        "reward_mean": sum(sampled) / len(sampled),
-        "accuracy": sum(r == 1.0 for r in sampled) / len(sampled),
-        "reward_mean_trained": sum(r.reward.reward for r in rollouts) / len(rollouts),
-        "response_length_mean": sum(len(r.output.token_ids) for r in rollouts) / len(rollouts),
-        "retracted_fraction": sum(r.output.num_retractions > 0 for r in rollouts) / len(rollouts),
-        "step_time_s": step_s,
-        "trainer_time": {"wait_for_rollouts_s": times.wait_s, "reward_s": times.reward_s, "train_s": times.train_s,
-                         "sync_s": times.sync_s},
-        "generator_time": {"generate_s": delta["busy_s"], "idle_s": delta["idle_s"], "sync_s": delta["sync_s"]},
-        "generation_tokens_per_s": delta["tokens"] / step_s,
-        "train_tokens_per_s": train["tokens_per_s"],
-        "staleness_histogram": {str(k): v for k, v in sorted(seen["lags"].items())},
-        **lag_summary(dict(seen["lags"])),
-        "rollout_age_s": sum(seen["ages"]) / max(len(seen["ages"]), 1),  # wall time from dispatch to consumption
-        "discards": dict(seen["discards"]),
-        "generator_restarts": totals["engine_restarts"],
-        "rerun_requests": totals["rerun_requests"],
-        "train": {k: v for k, v in train.items() if isinstance(v, (int, float))},
+        "rollout": {
+            **{f"reward_{k}": v for k, v in reward.items()},
+            "accuracy": sum(r == 1.0 for r in sampled) / len(sampled),
+            # over those trained on (groups whose rewards are all equal carry no signal and are dropped)
+            "reward_mean_trained": sum(r.reward.reward for r in rollouts) / len(rollouts),
+            "response_length_mean": sum(lengths) / len(lengths),
+            "response_length_max": max(lengths),
+            "truncated_fraction": sum(r.output.finish_reason == "length" for r in rollouts) / len(rollouts),
+            "retracted_fraction": sum(r.output.num_retractions > 0 for r in rollouts) / len(rollouts),
+            "staleness_histogram": {str(k): v for k, v in sorted(seen["lags"].items())},
+            **lag_summary(dict(seen["lags"])),
+            "age_s": sum(seen["ages"]) / max(len(seen["ages"]), 1),  # wall time from dispatch to consumption
+            "discards": dict(seen["discards"]),
+            "reward_failures": reward_failures,
+            "generator_restarts": totals["engine_restarts"],
+            "rerun_requests": totals["rerun_requests"],
+        },
+        "train": {**{k: v for k, v in train.items() if isinstance(v, (int, float))},
+                  "weight_version": weight_version, "consumed_samples": consumed_samples,
+                  "skipped_steps": skipped_steps},
+        "perf": {
+            "async": is_async,
+            "step_time_s": step_s,
+            "time_s": time_s,  # wall time of RL so far
+            "wait_for_rollouts_s": times.wait_s, "reward_s": times.reward_s, "train_s": times.train_s,
+            "sync_s": times.sync_s,
+            "generator_generate_s": delta["busy_s"], "generator_idle_s": delta["idle_s"],
+            "generator_sync_s": delta["sync_s"],
+            "generation_tokens_per_s": delta["tokens"] / step_s,
+            "train_tokens_per_s": train["tokens_per_s"],
+        },
     }
+
+
+def console_fields(metrics: dict) -> dict[str, str]:
+    """What the console shows of an RL step's metrics."""
+    rollout, train = metrics["rollout"], metrics["train"]
+    fields = {"reward": f"{rollout['reward_mean']:.3f}", "acc": f"{rollout['accuracy']:.2f}",
+              "loss": f"{train.get('loss', math.nan):.4g}", "lag": f"{rollout['lag_max']:.0f}"}
+    if "kl_ref" in train:
+        fields["kl_ref"] = f"{train['kl_ref']:.3g}"
+    return fields
+
+
+class Progress:
+    """The RL loop's progress on the console: a tqdm bar on a terminal; elsewhere (a log file, a batch job) one
+    plain line every `interval` steps with the step rate and ETA, since a bar's carriage returns make the whole
+    run one unreadable line there."""
+
+    def __init__(self, start: int, total: int, desc: str, interval: int, stream=None):
+        self.stream = stream or sys.stderr
+        self.start, self.total, self.desc, self.interval = start, total, desc, interval
+        self.started = time.perf_counter()
+        self._bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(initial=start, total=total, desc=desc, dynamic_ncols=True, file=self.stream)
+
+    def update(self, step: int, fields: dict[str, str]) -> None:
+        """Step `step` is done; `fields`: what to show of it."""
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(fields)
+            return
+        if step % self.interval and step != self.total:
+            return
+        from tqdm import tqdm
+
+        elapsed = time.perf_counter() - self.started
+        rate = (step - self.start) / elapsed if elapsed > 0 else 0.0
+        eta = tqdm.format_interval((self.total - step) / rate) if rate else "?"
+        line = " | ".join(f"{k} {v}" for k, v in fields.items())
+        print(f"{self.desc} step {step}/{self.total} | {line} | {1 / rate if rate else float('nan'):.2f} s/step | "
+              f"elapsed {tqdm.format_interval(elapsed)} | eta {eta}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -23,10 +23,10 @@ def plot(runs: dict[str, str], out: str) -> str:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for label, run_dir in runs.items():
-        rows = read_metrics(run_dir)
-        t = [r["time_s"] for r in rows]
-        axes[0].plot(t, [r["reward_mean"] for r in rows], marker=".", label=label)
-        axes[1].plot(t, [r["accuracy"] for r in rows], marker=".", label=label)
+        rows = [r for r in read_metrics(run_dir) if "rollout" in r]  # RL steps (evaluations have rows of their own)
+        t = [r["perf"]["time_s"] for r in rows]
+        axes[0].plot(t, [r["rollout"]["reward_mean"] for r in rows], marker=".", label=label)
+        axes[1].plot(t, [r["rollout"]["accuracy"] for r in rows], marker=".", label=label)
         eval_path = os.path.join(run_dir, "eval.json")
         if os.path.exists(eval_path):
             with open(eval_path) as f:

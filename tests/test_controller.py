@@ -29,7 +29,8 @@ def _train(out_dir, *extra, timeout=300):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "DDMA transport: gloo (all 3 ranks compute on CPUs)" in r.stdout  # the choice is logged, by rank 0
     rows = lambda name: [json.loads(line) for line in open(out_dir / name) if line.strip()]
-    return rows("metrics.jsonl"), json.loads((out_dir / "eval.json").read_text()), rows("rollouts.jsonl")
+    metrics = [m for m in rows("metrics.jsonl") if "rollout" in m]  # RL steps (evaluations have rows of their own)
+    return metrics, json.loads((out_dir / "eval.json").read_text()), rows("rollouts.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +44,13 @@ def async_run(tmp_path_factory):
 def test_async_steps_keep_the_contract(async_run):
     metrics, evaluation, rollouts = async_run
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
-    assert [m["weight_version"] for m in metrics] == [1, 2, 3, 4, 5, 6]  # version 0: the initial weights
-    assert [m["consumed_samples"] for m in metrics] == [16, 32, 48, 64, 80, 96]
-    assert [m["async"] for m in metrics] == [True, True, False, False, True, True]
+    assert [m["train"]["weight_version"] for m in metrics] == [1, 2, 3, 4, 5, 6]  # version 0: the initial weights
+    assert [m["train"]["consumed_samples"] for m in metrics] == [16, 32, 48, 64, 80, 96]
+    assert [m["perf"]["async"] for m in metrics] == [True, True, False, False, True, True]
     for m in metrics:
-        assert 0 <= m["reward_mean"] <= 1 and m["train"]["tokens"] > 0
-        assert set(m["trainer_time"]) == {"wait_for_rollouts_s", "reward_s", "train_s", "sync_s"}
+        assert 0 <= m["rollout"]["reward_mean"] <= 1 and m["train"]["tokens"] > 0
+        assert m["rollout"]["reward_min"] <= m["rollout"]["reward_mean"] <= m["rollout"]["reward_max"]
+        assert {"wait_for_rollouts_s", "reward_s", "train_s", "sync_s", "step_time_s"} <= set(m["perf"])
     assert 0 <= evaluation["accuracy_before_rl"] <= 1 and 0 <= evaluation["accuracy_after_rl"] <= 1
 
     trained = [r for r in rollouts if r["outcome"] == "trained"]
@@ -91,10 +93,10 @@ def test_save_and_resume_continue_steps_versions_and_data(tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (ckpt / "iter_0000002").is_dir()
     _, _, _ = _train(out, "--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "1")
-    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    metrics = [m for m in map(json.loads, open(out / "metrics.jsonl")) if "rollout" in m]
     assert [m["step"] for m in metrics] == [1, 2, 3]  # appended after the checkpointed step
-    assert [m["weight_version"] for m in metrics] == [1, 2, 3]
-    assert metrics[2]["consumed_samples"] == 48
+    assert [m["train"]["weight_version"] for m in metrics] == [1, 2, 3]
+    assert metrics[2]["train"]["consumed_samples"] == 48
     rollouts = [json.loads(line) for line in open(out / "rollouts.jsonl")]
     resent = [r for r in rollouts if r["outcome"].startswith("in flight")]
     assert [r for r in rollouts if r["step"] <= 2 and r not in resent] == rollouts_before  # the log continues

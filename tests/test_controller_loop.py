@@ -124,8 +124,8 @@ def test_synchronous_steps_train_on_complete_groups_of_the_current_version(tmp_p
     controller.publish()
     metrics = [controller.rl_step(step, 0.0) for step in (1, 2, 3)]
     _finish(controller, generator)
-    assert generator.syncs == [0, 1, 2, 3] and [m["weight_version"] for m in metrics] == [1, 2, 3]
-    assert all(m["staleness_histogram"] == {"0": 8} for m in metrics)  # on-policy: lag 0 only
+    assert generator.syncs == [0, 1, 2, 3] and [m["train"]["weight_version"] for m in metrics] == [1, 2, 3]
+    assert all(m["rollout"]["staleness_histogram"] == {"0": 8} for m in metrics)  # on-policy: lag 0 only
     batches = trainer.trained()
     assert [len(b) for b in batches] == [8, 8, 8]
     # every request served once; after each update the next step's prompts go out (4 steps' worth by now)
@@ -141,9 +141,9 @@ def test_async_steps_dispatch_ahead_and_train_one_version_behind(tmp_path):
     metrics = [controller.rl_step(step, 0.0) for step in (1, 2, 3)]
     _finish(controller, generator)
     # Step 1's prompts and the next step's went out at version 0; step 2 trains on the latter at version 1.
-    assert metrics[0]["staleness_histogram"] == {"0": 8}
-    assert metrics[1]["staleness_histogram"] == {"1": 8} and metrics[2]["staleness_histogram"] == {"1": 8}
-    assert metrics[0]["async"] and len(controller.inflight) == 2  # the next step's prompts are in flight
+    assert metrics[0]["rollout"]["staleness_histogram"] == {"0": 8}
+    assert [m["rollout"]["staleness_histogram"] for m in metrics[1:]] == [{"1": 8}, {"1": 8}]
+    assert metrics[0]["perf"]["async"] and len(controller.inflight) == 2  # the next step's prompts are in flight
 
 
 def test_stale_groups_are_discarded_with_their_reason_and_replaced(tmp_path):
@@ -153,7 +153,8 @@ def test_stale_groups_are_discarded_with_their_reason_and_replaced(tmp_path):
         controller.publish()  # the trainer is at version 2: the stale prompts' tokens (version 0) lag by 2
     metrics = controller.rl_step(1, 0.0)
     _finish(controller, generator)
-    assert metrics["discards"] == {"stale": 8} and metrics["staleness_histogram"] == {"0": 8, "2": 8}
+    rollout = metrics["rollout"]
+    assert rollout["discards"] == {"stale": 8} and rollout["staleness_histogram"] == {"0": 8, "2": 8}
     rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert {r["prompt_id"] for r in rows if r["outcome"].startswith("stale")} == set(generator.prompts[:2])
     assert {r["prompt_id"] for r in rows if r["outcome"] == "trained"} == set(generator.prompts[2:4])
@@ -167,7 +168,7 @@ def test_groups_without_signal_are_replaced_up_to_the_oversampling_limit(tmp_pat
     metrics = controller.rl_step(1, 0.0)
     _finish(controller, generator)
     # Every group is uniform: 2 x 2 groups are dropped for no signal, then uniform groups fill the batch.
-    assert metrics["discards"] == {"group rewards all equal": 16}
+    assert metrics["rollout"]["discards"] == {"group rewards all equal": 16}
     assert len(trainer.trained()[0]) == 8 and trainer.trained()[0].advantages.abs().sum() == 0
 
 

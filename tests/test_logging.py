@@ -31,7 +31,35 @@ def test_plot_writes_a_png(tmp_path):
         (tmp_path / name).mkdir()
         with open(tmp_path / name / "metrics.jsonl", "w") as f:
             for step in range(1, 4):
-                row = {"step": step, "time_s": step, "reward_mean": step / 4, "accuracy": step / 5}
+                row = {"step": step, "perf": {"time_s": step},
+                       "rollout": {"reward_mean": step / 4, "accuracy": step / 5}}
                 f.write(json.dumps(row) + "\n")
     out = plot({"async": str(tmp_path / "a"), "sync": str(tmp_path / "b")}, str(tmp_path / "curve.png"))
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_console_lines_without_a_terminal_follow_log_interval(tmp_path):
+    import io
+
+    from megatron_rl.logging import Progress
+
+    stream = io.StringIO()  # not a terminal: plain lines, no carriage returns
+    progress = Progress(0, 5, "AIPO", interval=2, stream=stream)
+    for step in range(1, 6):
+        progress.update(step, {"reward": f"{step / 10:.1f}"})
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["AIPO step 2/5", "AIPO step 4/5", "AIPO step 5/5"]
+    assert "reward 0.4" in lines[1] and "s/step" in lines[1] and "eta" in lines[1] and "\r" not in stream.getvalue()
+
+
+def test_wandb_mode_follows_the_flag_then_the_environment_then_the_key(monkeypatch):
+    from megatron_rl.logging import wandb_mode
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode() == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode() == "disabled" and wandb_mode("offline") == "offline"

@@ -36,10 +36,10 @@ def test_tiny_run_on_sglang_survives_a_killed_server(tmp_path):
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
-    metrics = _rows(out / "metrics.jsonl")
+    metrics = [m for m in _rows(out / "metrics.jsonl") if "rollout" in m]  # RL steps (not evaluations)
     assert [m["step"] for m in metrics] == list(range(1, 13))
-    assert [m["weight_version"] for m in metrics] == list(range(2, 14))  # version 1: after the SFT warm-up
-    assert metrics[-1]["generator_restarts"] == 1
+    assert [m["train"]["weight_version"] for m in metrics] == list(range(2, 14))  # version 1: after the SFT warm-up
+    assert metrics[-1]["rollout"]["generator_restarts"] == 1
     rollouts = _rows(out / "rollouts.jsonl")
     keys = [(r["prompt_id"], r["sample_index"]) for r in rollouts]
     assert len(keys) == len(set(keys)) and sum(r["outcome"] == "trained" for r in rollouts) == 16 * 12

@@ -45,17 +45,17 @@ def _run(out_dir: str, iters: int, block: int, pause_mode: str) -> list[dict]:
 
 def _run_result(rows: list[dict], block: int, skip: int) -> dict:
     """The bound and the asynchronous speed-up from one run's steps (the first `skip` of each block left out)."""
-    kept = [r for r in rows if (r["step"] - 1) % block >= skip]
-    sync, async_ = [r for r in kept if not r["async"]], [r for r in kept if r["async"]]
+    kept = [r for r in rows if "perf" in r and (r["step"] - 1) % block >= skip]  # RL steps, not evaluations
+    sync, async_ = [r for r in kept if not r["perf"]["async"]], [r for r in kept if r["perf"]["async"]]
     mean = lambda rows, f: sum(f(r) for r in rows) / len(rows)  # noqa: E731
-    t_sync = mean(sync, lambda r: r["step_time_s"])
-    t_train = mean(sync, lambda r: r["trainer_time"]["train_s"] + r["trainer_time"]["sync_s"])
+    t_sync = mean(sync, lambda r: r["perf"]["step_time_s"])
+    t_train = mean(sync, lambda r: r["perf"]["train_s"] + r["perf"]["sync_s"])
     t_gen = t_sync - t_train
     bound = t_sync / max(t_gen, t_train)
-    t_async = mean(async_, lambda r: r["step_time_s"])
+    t_async = mean(async_, lambda r: r["perf"]["step_time_s"])
     return {"sync_step_s": t_sync, "t_gen_s": t_gen, "t_train_s": t_train, "bound": bound, "async_step_s": t_async,
             "speedup": t_sync / t_async, "fraction_of_bound": t_sync / t_async / bound,
-            "retracted_fraction": mean(async_, lambda r: r["retracted_fraction"]),
+            "retracted_fraction": mean(async_, lambda r: r["rollout"]["retracted_fraction"]),
             "steps_measured": {"sync": len(sync), "async": len(async_)}}
 
 
