@@ -199,7 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--task-min-digits", type=int, default=1)
     g.add_argument("--task-max-digits", type=int, default=2)
     g.add_argument("--task-operands", type=int, default=2)
-    g.add_argument("--eval-size", type=int, default=200, help="held-out problems evaluated before and after RL")
+    g.add_argument("--eval-size", type=int, default=200,
+                   help="held-out problems of the arithmetic task evaluated (set 'arithmetic'; 0: none)")
+    g.add_argument("--eval-prompt-data", nargs="+", metavar="NAME PATH",
+                   help="evaluation sets as NAME PATH pairs (files read like --prompt-data), evaluated before RL, "
+                        "every --eval-interval steps and at the end; metrics eval/NAME/accuracy")
+    g.add_argument("--eval-interval", type=int, default=0, help="RL steps between evaluations (0: before and after "
+                                                                 "RL only)")
+    g.add_argument("--eval-n-samples", type=int, default=1, help="samples per evaluation prompt (pass@n when > 1)")
+    g.add_argument("--eval-temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--eval-max-response-len", type=int, help="default: --rollout-max-response-len")
     g.add_argument("--tokenizer", help="HF tokenizer directory (default: the character tokenizer)")
 
     g = p.add_argument_group("ddma")
@@ -323,6 +332,14 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--recompute-method and --recompute-num-layers go together (Megatron-Core needs both)")
     if args.lr_decay_style == "WSD" and not args.lr_wsd_decay_iters:
         parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters (the steps of its decay phase)")
+    if args.eval_prompt_data and len(args.eval_prompt_data) % 2:
+        parser.error(f"--eval-prompt-data takes NAME PATH pairs, got {len(args.eval_prompt_data)} value(s)")
+    names = (args.eval_prompt_data or [])[::2]
+    if len(set(names)) != len(names) or "arithmetic" in names and not args.data_path:
+        parser.error(f"--eval-prompt-data: set names must be unique (and not 'arithmetic' while the run trains on "
+                     f"the task, whose held-out set has that name), got {names}")
+    if args.eval_n_samples < 1 or args.eval_interval < 0 or args.eval_temperature < 0:
+        parser.error("--eval-n-samples must be >= 1, --eval-interval >= 0 and --eval-temperature >= 0")
     if args.save_interval and not args.save:
         parser.error("--save-interval needs --save")
     if args.rollout_backend == "sglang":

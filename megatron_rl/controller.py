@@ -18,7 +18,7 @@ import queue
 import time
 from collections import Counter, defaultdict
 
-from megatron_rl import checkpointing
+from megatron_rl import checkpointing, evaluation
 from megatron_rl.buffer import Rollout, RolloutBuffer
 from megatron_rl.data.source import PromptSource
 from megatron_rl.logging import (
@@ -56,7 +56,9 @@ class Controller:
                           "stop_token_ids": (self.tokenizer.eos_token_id,)}
         self.inflight: dict[str, dict] = {}  # RL prompts dispatched whose group has not left the buffer, by id
         self.dispatched: Counter = Counter()  # prompt id -> times dispatched (each prompt exactly once)
-        self.eval_rewards: dict[str, float] = {}
+        self.eval_sets = evaluation.eval_sets(args, self.source)
+        self.eval_results: dict[tuple[str, int], object] = {}  # (prompt id, sample index) -> RewardResult
+        self.eval_history: list[dict] = []  # {"step", set name -> summary} per evaluation
         self.gen_stats: dict[int, dict] = {}  # generator rank -> its cumulative counters
         self._gen_totals: dict = {}  # their sums at the previous step
         self.version, self.consumed, self.skipped_steps, self.consecutive_skips = -1, 0, 0, 0
@@ -124,7 +126,7 @@ class Controller:
             times.reward_s += scored.reward_s
         for (output, meta), reward in zip(scored.rollouts, scored.rewards):
             if meta.is_eval:
-                self.eval_rewards[meta.prompt_id] = float("nan") if reward.is_failure else reward.reward
+                self.eval_results[(meta.prompt_id, meta.sample_index)] = reward
             else:
                 self.buffer.add(Rollout(output, meta, reward))
         return True
@@ -165,18 +167,21 @@ class Controller:
               f"{sum(map(len, lost.values()))} in-flight samples of {len(lost)} prompts generated again", flush=True)
 
     # ---- phases ---------------------------------------------------------------------------------------------------
-    def evaluate(self) -> float:
-        problems = self.source.eval(self.args.eval_size)
-        if not problems:
-            return float("nan")
-        self.eval_rewards = {}
-        greedy = {"temperature": 0.0, "max_new_tokens": self.args.rollout_max_response_len,
-                  "stop_token_ids": (self.tokenizer.eos_token_id,)}
-        self.dispatch(problems, 1, greedy, is_eval=True)
-        while len(self.eval_rewards) < len(problems):
+    def evaluate(self, step: int) -> dict[str, dict]:
+        """Every evaluation set under the current weights: set name -> figures (`evaluation.summarize`)."""
+        args, n = self.args, self.args.eval_n_samples
+        self.eval_results = {}
+        params = {"temperature": args.eval_temperature, "stop_token_ids": (self.tokenizer.eos_token_id,),
+                  "max_new_tokens": args.eval_max_response_len or args.rollout_max_response_len}
+        for eval_set in self.eval_sets:
+            self.dispatch(eval_set.problems, n, params, is_eval=True)
+        while len(self.eval_results) < n * sum(len(s.problems) for s in self.eval_sets):
             self.receive()
-        values = [v for v in self.eval_rewards.values() if v == v]
-        return sum(v == 1.0 for v in values) / max(len(values), 1)
+        results = {s.name: evaluation.summarize(s, self.eval_results, n) for s in self.eval_sets}
+        for name, summary in results.items():
+            print(f"step {step}: {evaluation.describe(name, summary)}", flush=True)
+        self.eval_history.append({"step": step, **results})
+        return results
 
     def sft_warmup(self) -> None:
         eos = self.tokenizer.eos_token_id
@@ -265,13 +270,15 @@ class Controller:
         if args.sft_warmup_iters and not args.load:
             self.sft_warmup()
             self.publish()
-        accuracy_before = self.evaluate()
-        print(f"held-out accuracy before RL: {accuracy_before:.3f}", flush=True)
+        if self.eval_sets:
+            self.logger.log(start_step, {"eval": self.evaluate(start_step)})
         run_start = time.time()
         mode = {"on": "async", "off": "sync", "alternate": "async/sync"}[args.async_mode]
         progress = Progress(start_step, args.train_iters, f"{args.loss.upper()} ({mode})", args.log_interval)
         for step in range(start_step + 1, args.train_iters + 1):
             metrics = self.rl_step(step, run_start)
+            if self.eval_sets and (args.eval_interval and step % args.eval_interval == 0 or step == args.train_iters):
+                metrics["eval"] = self.evaluate(step)
             self.logger.log(step, metrics)
             if args.save and args.save_interval and step % args.save_interval == 0:
                 checkpointing.save_rl_checkpoint(args.save, step, self.trainer,
@@ -279,10 +286,8 @@ class Controller:
                                                   "transformer_impl": self.layout.transformer_impl})
             progress.update(step, console_fields(metrics))
         progress.close()
-        accuracy_after = self.evaluate()
-        print(f"held-out accuracy after RL: {accuracy_after:.3f}", flush=True)
         write_json(os.path.join(args.output_dir, "eval.json"), {
-            "accuracy_before_rl": accuracy_before, "accuracy_after_rl": accuracy_after, "eval_size": args.eval_size,
+            **evaluation.report(self.eval_history, args.eval_n_samples, args.eval_temperature),
             "train_iters": args.train_iters, "async_mode": args.async_mode, "rl_seconds": time.time() - run_start,
             "prompts_dispatched": len(self.dispatched), "discards": dict(self.buffer.discards),
             "prompts_dispatched_more_than_once": sum(c > 1 for c in self.dispatched.values()),

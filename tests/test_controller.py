@@ -29,16 +29,25 @@ def _train(out_dir, *extra, timeout=300):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "DDMA transport: gloo (all 3 ranks compute on CPUs)" in r.stdout  # the choice is logged, by rank 0
     rows = lambda name: [json.loads(line) for line in open(out_dir / name) if line.strip()]
-    metrics = [m for m in rows("metrics.jsonl") if "rollout" in m]  # RL steps (evaluations have rows of their own)
+    rows_ = rows("metrics.jsonl")
+    assert all("eval" in m for m in rows_ if "rollout" not in m)  # the rest: evaluations before RL
+    metrics = [m for m in rows_ if "rollout" in m]
     return metrics, json.loads((out_dir / "eval.json").read_text()), rows("rollouts.jsonl")
 
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     # In-place pauses here (the tiny example's tests run the default, retract): requests in flight at an update
-    # keep their KV cache. Blocks of 2 asynchronous and 2 synchronous steps (--async-mode alternate).
-    return _train(tmp_path_factory.mktemp("async"), "--train-iters", "6", "--async-mode", "alternate",
-                  "--async-alternate-steps", "2", "--max-staleness", "1", "--rollout-pause-mode", "in_place")
+    # keep their KV cache. Blocks of 2 asynchronous and 2 synchronous steps (--async-mode alternate). Besides the
+    # task's held-out set, a second evaluation set from a file, sampled twice per prompt, every 3 steps.
+    out = tmp_path_factory.mktemp("async")
+    with open(out / "mini_eval.jsonl", "w") as f:
+        for a, b in ((1, 2), (3, 4), (5, 1)):
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    return _train(out / "run", "--train-iters", "6", "--async-mode", "alternate",
+                  "--async-alternate-steps", "2", "--max-staleness", "1", "--rollout-pause-mode", "in_place",
+                  "--eval-prompt-data", "mini", str(out / "mini_eval.jsonl"), "--eval-n-samples", "2",
+                  "--eval-temperature", "1.0", "--eval-interval", "3")
 
 
 def test_async_steps_keep_the_contract(async_run):
@@ -52,6 +61,7 @@ def test_async_steps_keep_the_contract(async_run):
         assert m["rollout"]["reward_min"] <= m["rollout"]["reward_mean"] <= m["rollout"]["reward_max"]
         assert {"wait_for_rollouts_s", "reward_s", "train_s", "sync_s", "step_time_s"} <= set(m["perf"])
     assert 0 <= evaluation["accuracy_before_rl"] <= 1 and 0 <= evaluation["accuracy_after_rl"] <= 1
+
 
     trained = [r for r in rollouts if r["outcome"] == "trained"]
     assert len(trained) == 96
@@ -73,6 +83,20 @@ def test_async_steps_keep_the_contract(async_run):
     assert evaluation["prompts_dispatched_more_than_once"] == 0
     assert len(prompts) + evaluation["prompts_in_flight_at_end"] == evaluation["prompts_dispatched"]
     assert all(r["outcome"] in ("trained", "group rewards all equal", "stale") for r in rollouts)
+
+
+def test_every_evaluation_set_is_scored_before_during_and_after_rl(async_run):
+    _, evaluation, _ = async_run
+    sets = evaluation["eval_sets"]
+    assert list(sets) == ["arithmetic", "mini"] and evaluation["eval_set"] == "arithmetic"
+    assert [h["step"] for h in sets["mini"]["history"]] == [0, 3, 6]  # before RL, --eval-interval 3, the end
+    for name, size, n in (("arithmetic", 8, 2), ("mini", 3, 2)):  # --eval-n-samples holds for every set
+        for summary in sets[name]["history"]:
+            assert (summary["problems"], summary["samples"], summary["failures"]) == (size, size * n, 0)
+            assert 0 <= summary["accuracy"] <= 1
+    assert all("pass@2" in h and h["pass@2"] >= h["accuracy"] / 2 for h in sets["mini"]["history"])
+    assert evaluation["accuracy_after_rl"] == sets["arithmetic"]["after_rl"]["accuracy"]
+    assert "NaN" not in json.dumps(evaluation)
 
 
 def test_sync_baseline_and_async_path_compute_the_same_first_update(tmp_path, async_run):

@@ -1,0 +1,80 @@
+"""Evaluation sets: held-out prompts that the generators answer (greedy by default) before RL, every
+--eval-interval steps and at the end, scored by the run's reward function.
+
+A set is the arithmetic task's held-out split (when the run trains on the task) and each --eval-prompt-data
+NAME PATH. Per set: `accuracy` (the fraction of scored samples whose reward is 1), `reward_mean`, and with
+--eval-n-samples n > 1 `pass@n` (the fraction of problems with at least one correct sample). Samples whose reward
+could not be computed (a timeout, a crashed scorer) are excluded and counted in `failures`; a set with no scored
+sample reports its accuracy as null, never NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    name: str
+    problems: list[dict]  # {"id", "prompt", "answer", ...}; ids are "<name>/<record id>", unique across sets
+
+
+def eval_sets(args, source) -> list[EvalSet]:
+    """The run's evaluation sets: the task's held-out split (no --prompt-data), then --eval-prompt-data's."""
+    sets = []
+    if source.dataset is None and args.eval_size:
+        sets.append(EvalSet("arithmetic", source.eval(args.eval_size)))
+    pairs = args.eval_prompt_data or []
+    for name, path in zip(pairs[::2], pairs[1::2]):
+        sets.append(EvalSet(name, read_records(path, args)))
+    for s in sets:
+        s.problems[:] = [dict(p, id=f"{s.name}/{p['id']}") for p in s.problems]
+    return sets
+
+
+def read_records(path: str, args) -> list[dict]:
+    """Every record of an evaluation file, in file order, validated like training data."""
+    from megatron_rl.data.jsonl import JsonlDataset
+
+    dataset = JsonlDataset(path, shuffle=False)
+    return [dataset.record(i) for i in range(len(dataset))]
+
+
+def summarize(eval_set: EvalSet, results: dict, n_samples: int) -> dict:
+    """One set's figures from `results`: (prompt id, sample index) -> RewardResult."""
+    scored, failures, solved = [], 0, 0
+    for problem in eval_set.problems:
+        rewards = [results[(problem["id"], k)] for k in range(n_samples)]
+        ok = [r.reward for r in rewards if not r.is_failure]
+        failures += len(rewards) - len(ok)
+        scored += ok
+        solved += any(r == 1.0 for r in ok)
+    out = {"problems": len(eval_set.problems), "samples": len(eval_set.problems) * n_samples, "failures": failures,
+           "accuracy": sum(r == 1.0 for r in scored) / len(scored) if scored else None,
+           "reward_mean": sum(scored) / len(scored) if scored else None}
+    if n_samples > 1:
+        out[f"pass@{n_samples}"] = solved / len(eval_set.problems)
+    return out
+
+
+def describe(name: str, summary: dict) -> str:
+    accuracy = "n/a" if summary["accuracy"] is None else f"{summary['accuracy']:.3f}"
+    passes = "".join(f", {k} {v:.3f}" for k, v in summary.items() if k.startswith("pass@"))
+    failed = f", {summary['failures']} samples not scored" if summary["failures"] else ""
+    return f"eval {name}: accuracy {accuracy}{passes} ({summary['problems']} problems x " \
+           f"{summary['samples'] // summary['problems']} samples{failed})"
+
+
+def report(history: list[dict], n_samples: int, temperature: float) -> dict:
+    """eval.json's evaluations: per set, its figures before RL (the first evaluation), after RL (the last) and at
+    every evaluation; the first set's accuracies also as `accuracy_before_rl` / `accuracy_after_rl`."""
+    names = [k for k in history[0] if k != "step"] if history else []
+    sets = {name: {"n_samples": n_samples, "temperature": temperature, "before_rl": history[0][name],
+                   "after_rl": history[-1][name], "history": [{"step": h["step"], **h[name]} for h in history]}
+            for name in names}
+    out: dict = {"eval_sets": sets}
+    if names:
+        first = sets[names[0]]
+        out.update(accuracy_before_rl=first["before_rl"]["accuracy"], accuracy_after_rl=first["after_rl"]["accuracy"],
+                   eval_set=names[0], eval_size=first["before_rl"]["problems"])
+    return out

@@ -1,0 +1,35 @@
+"""Evaluation figures from reward results: accuracy over scored samples, pass@n, failures counted apart (never
+a NaN), and eval.json's before / after / history per set."""
+
+from megatron_rl.evaluation import EvalSet, report, summarize
+from megatron_rl.rewards.result import RewardResult
+
+RIGHT, WRONG = RewardResult(1.0, "scored"), RewardResult(0.0, "scored")
+TIMEOUT = RewardResult(0.0, "timeout", detail="no verdict within 5 s")
+
+
+def test_accuracy_pass_at_n_and_failures_by_hand():
+    s = EvalSet("x", [{"id": "x/0"}, {"id": "x/1"}, {"id": "x/2"}])
+    results = {("x/0", 0): RIGHT, ("x/0", 1): WRONG, ("x/1", 0): WRONG, ("x/1", 1): TIMEOUT,
+               ("x/2", 0): WRONG, ("x/2", 1): WRONG}
+    summary = summarize(s, results, 2)
+    # 5 scored samples, 1 right; problem 0 solved by one of its two samples
+    assert summary == {"problems": 3, "samples": 6, "failures": 1, "accuracy": 1 / 5, "reward_mean": 1 / 5,
+                       "pass@2": 1 / 3}
+
+
+def test_a_set_without_any_scored_sample_reports_null_not_nan():
+    s = EvalSet("x", [{"id": "x/0"}])
+    summary = summarize(s, {("x/0", 0): TIMEOUT}, 1)
+    assert summary["accuracy"] is None and summary["failures"] == 1 and "pass@1" not in summary
+
+
+def test_report_has_before_after_and_history_per_set():
+    history = [{"step": 0, "a": {"accuracy": 0.1, "problems": 4}, "b": {"accuracy": 0.5, "problems": 2}},
+               {"step": 5, "a": {"accuracy": 0.3, "problems": 4}, "b": {"accuracy": 0.6, "problems": 2}}]
+    out = report(history, 1, 0.0)
+    assert (out["accuracy_before_rl"], out["accuracy_after_rl"]) == (0.1, 0.3)
+    assert (out["eval_set"], out["eval_size"]) == ("a", 4)
+    assert out["eval_sets"]["b"]["history"] == [{"step": 0, "accuracy": 0.5, "problems": 2},
+                                                 {"step": 5, "accuracy": 0.6, "problems": 2}]
+    assert report([], 1, 0.0) == {"eval_sets": {}}
