@@ -1,18 +1,25 @@
-"""Where the controller's prompts come from: a JSONL dataset (--data-path) or the synthetic arithmetic task."""
+"""Where the controller's prompts come from: a prompt dataset (--prompt-data) or the synthetic arithmetic task."""
 
 from __future__ import annotations
 
 from megatron_rl.data.arithmetic import ArithmeticTask
-from megatron_rl.data.jsonl import JsonlDataset
+from megatron_rl.data.dataset import PromptDataset
+from megatron_rl.data.records import RecordFields
 
 
 class PromptSource:
-    """RL prompts (a JSONL dataset, or the arithmetic task), held-out eval prompts, and SFT examples."""
+    """RL prompts (a prompt dataset, or the arithmetic task), held-out eval prompts, and SFT examples."""
 
     SFT_OFFSET = 10**7  # SFT examples are drawn from a separate index range of the task's train split
 
     def __init__(self, args):
-        self.dataset = JsonlDataset(args.data_path, seed=args.seed) if args.data_path else None
+        self.dataset = None
+        if args.prompt_data:
+            fields = RecordFields(args.input_key, args.label_key, args.metadata_key)
+            self.dataset = PromptDataset(args.prompt_data, seed=args.seed, fields=fields)
+            if self.dataset.first_message_prompt and not args.apply_chat_template:
+                raise ValueError(f"{self.dataset.first_message_prompt}: field {args.input_key!r} is a message "
+                                 "list, which needs --apply-chat-template")
         self.task = ArithmeticTask(seed=args.seed, min_digits=args.task_min_digits, max_digits=args.task_max_digits,
                                    num_operands=args.task_operands)
         self.cursor = 0
@@ -29,7 +36,7 @@ class PromptSource:
 
     def next(self, n: int) -> list[dict]:
         if self.dataset is not None:
-            return [dict(r, id=str(r["id"])) for r in self.dataset.next(n)]
+            return self.dataset.next(n)
         out = self.task.problems(self.cursor, n)
         self.cursor += n
         return out
@@ -39,7 +46,7 @@ class PromptSource:
 
     def sft(self, n: int) -> list[dict]:
         if self.dataset is not None:
-            raise ValueError("--sft-warmup-iters needs the arithmetic task (no --data-path)")
+            raise ValueError("--sft-warmup-iters needs the arithmetic task (no --prompt-data)")
         out = self.task.problems(self.SFT_OFFSET + self.sft_cursor, n)
         self.sft_cursor += n
         return out
