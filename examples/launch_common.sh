@@ -116,7 +116,7 @@ run_llama3_aipo() {
 
     local model_and_layout_args=(--config "llama3-$size" --rollout-num-replicas "$replicas")
     local checkpoint_args=(--load-hf "$hf" --save "$ckpt" --save-interval 20)
-    local data_args=(--data-path "$data" --tokenizer "$tokenizer" --reward-fn math --reward-num-workers 16)
+    local data_args=(--prompt-data "$data" --tokenizer "$tokenizer" --reward-fn math --reward-num-workers 16)
     local rl_args=(--loss aipo --async-mode on --advantage-estimator group-baseline --train-iters 500
                    --rollout-temperature 1.0 --rollout-top-p 1.0)
     local logging_args=(--output-dir "$out" --wandb-project megatron-rl --wandb-exp-name "llama3-$size-aipo"

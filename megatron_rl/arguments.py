@@ -195,7 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "row; isolated failures are excluded from training and counted")
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", help="JSONL prompts ({prompt, answer}); default: the synthetic arithmetic task")
+    g.add_argument("--prompt-data", "--data-path", dest="prompt_data", metavar="PATH",
+                   help="prompt records in a .jsonl/.json (one JSON object per line) or .parquet file: a prompt "
+                        "(--input-key; a string or an OpenAI-style message list) and its label (--label-key); "
+                        "default: the synthetic arithmetic task")
+    g.add_argument("--input-key", default="prompt", help="the records' prompt field")
+    g.add_argument("--label-key", default="answer", help="the records' label field (the reference answer, a string)")
+    g.add_argument("--metadata-key", help="the records' metadata field (an object), carried with each record")
+    g.add_argument("--apply-chat-template", action="store_true",
+                   help="render each prompt with the tokenizer's chat template (a string prompt is one user "
+                        "message), ending with the assistant's generation prompt; needed for message-list prompts")
+    g.add_argument("--system-prompt",
+                   help="with --apply-chat-template: a system message put first in every prompt that has none")
     g.add_argument("--task-min-digits", type=int, default=1)
     g.add_argument("--task-max-digits", type=int, default=2)
     g.add_argument("--task-operands", type=int, default=2)
@@ -209,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-n-samples", type=int, default=1, help="samples per evaluation prompt (pass@n when > 1)")
     g.add_argument("--eval-temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--eval-max-response-len", type=int, help="default: --rollout-max-response-len")
-    g.add_argument("--tokenizer", help="HF tokenizer directory (default: the character tokenizer)")
+    g.add_argument("--tokenizer", help="HF tokenizer directory (default: the --load-hf directory; without "
+                                       "--load-hf, the character tokenizer)")
 
     g = p.add_argument_group("ddma")
     g.add_argument("--ddma-bucket-mb", type=int, default=256)
@@ -313,9 +325,17 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.async_mode != "off" and args.max_staleness < 1:
         parser.error(f"--async-mode {args.async_mode} trains on rollouts one version old: --max-staleness must be "
                      f">= 1, got {args.max_staleness} (or use --async-mode off)")
-    if args.sft_warmup_iters and args.data_path:
+    if args.sft_warmup_iters and args.prompt_data:
         parser.error("--sft-warmup-iters needs the arithmetic task (it has answers to imitate); drop it or "
-                     "--data-path")
+                     "--prompt-data")
+    if not args.prompt_data and (args.input_key, args.label_key, args.metadata_key) != ("prompt", "answer", None):
+        parser.error("--input-key, --label-key and --metadata-key name fields of --prompt-data records; the "
+                     "arithmetic task has none (give --prompt-data)")
+    if args.apply_chat_template and not (args.tokenizer or args.load_hf):
+        parser.error("--apply-chat-template needs an HF tokenizer with a chat template (--tokenizer, or --load-hf "
+                     "with its tokenizer files); the character tokenizer has none")
+    if args.system_prompt is not None and not args.apply_chat_template:
+        parser.error("--system-prompt needs --apply-chat-template (a system message is part of a chat)")
     if args.kl_coef:
         parser.error(f"--kl-coef {args.kl_coef}: the KL penalty needs a reference policy's log-probs, which runs "
                      "do not compute yet; use --kl-coef 0")
@@ -335,7 +355,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.eval_prompt_data and len(args.eval_prompt_data) % 2:
         parser.error(f"--eval-prompt-data takes NAME PATH pairs, got {len(args.eval_prompt_data)} value(s)")
     names = (args.eval_prompt_data or [])[::2]
-    if len(set(names)) != len(names) or "arithmetic" in names and not args.data_path:
+    if len(set(names)) != len(names) or "arithmetic" in names and not args.prompt_data:
         parser.error(f"--eval-prompt-data: set names must be unique (and not 'arithmetic' while the run trains on "
                      f"the task, whose held-out set has that name), got {names}")
     if args.eval_n_samples < 1 or args.eval_interval < 0 or args.eval_temperature < 0:

@@ -20,6 +20,7 @@ from collections import Counter, defaultdict
 
 from megatron_rl import checkpointing, evaluation
 from megatron_rl.buffer import Rollout, RolloutBuffer
+from megatron_rl.data.prompts import encode_prompt
 from megatron_rl.data.source import PromptSource
 from megatron_rl.logging import (
     MetricsLogger,
@@ -49,11 +50,12 @@ class Controller:
         self.source = PromptSource(args)
         self.buffer = RolloutBuffer(args.n_samples_per_prompt, args.max_staleness, not args.keep_uniform_groups)
         self.reward_fn = build_reward_fn(args.reward_fn, args.reward_num_workers, args.reward_timeout)
-        self.stage = RewardStage(rollouts, self.tokenizer, self.reward_fn, len(leaders))
+        self.stop_token_ids = setup.stop_token_ids
+        self.stage = RewardStage(rollouts, self.tokenizer, self.reward_fn, len(leaders), self.stop_token_ids)
         self.prompts_per_step = args.global_batch_size // args.n_samples_per_prompt
         self.rl_params = {"temperature": args.rollout_temperature, "top_k": args.rollout_top_k,
                           "top_p": args.rollout_top_p, "max_new_tokens": args.rollout_max_response_len,
-                          "stop_token_ids": (self.tokenizer.eos_token_id,)}
+                          "stop_token_ids": self.stop_token_ids}
         self.inflight: dict[str, dict] = {}  # RL prompts dispatched whose group has not left the buffer, by id
         self.dispatched: Counter = Counter()  # prompt id -> times dispatched (each prompt exactly once)
         self.eval_sets = evaluation.eval_sets(args, self.source)
@@ -74,9 +76,8 @@ class Controller:
                                     append=bool(args.load), wandb_mode_flag=args.wandb_mode)
 
     # ---- generators -----------------------------------------------------------------------------------------------
-    def encode_prompt(self, text: str) -> list[int]:
-        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
-        return bos + self.tokenizer.encode(text, add_special_tokens=False)
+    def encode_prompt(self, prompt: str | list[dict]) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, self.args.apply_chat_template, self.args.system_prompt)
 
     def dispatch(self, problems: list[dict], samples: int | list[int], params: dict, is_eval: bool = False,
                  resent: bool = False) -> None:
@@ -171,7 +172,7 @@ class Controller:
         """Every evaluation set under the current weights: set name -> figures (`evaluation.summarize`)."""
         args, n = self.args, self.args.eval_n_samples
         self.eval_results = {}
-        params = {"temperature": args.eval_temperature, "stop_token_ids": (self.tokenizer.eos_token_id,),
+        params = {"temperature": args.eval_temperature, "stop_token_ids": self.stop_token_ids,
                   "max_new_tokens": args.eval_max_response_len or args.rollout_max_response_len}
         for eval_set in self.eval_sets:
             self.dispatch(eval_set.problems, n, params, is_eval=True)

@@ -52,14 +52,16 @@ def dry_run(args, world_size: int) -> dict:
     from megatron_rl.run_setup import build_run_setup
 
     # No file is needed: the architecture comes from --load-hf's config.json if it is here, else from --model; the
-    # tokenizer from --tokenizer if it is here, else the character tokenizer stands in; --data-path is checked if
-    # it is here.
+    # tokenizer from --tokenizer if it is here, else the character tokenizer stands in; --prompt-data is checked
+    # if it is here.
     args = copy.copy(args)
     if args.load_hf and not os.path.isfile(os.path.join(args.load_hf, "config.json")):
         args.load_hf = None
-    if args.data_path and not os.path.isfile(args.data_path):
-        args.data_path = None
-    tokenizer = None if args.tokenizer and os.path.isdir(args.tokenizer) else build_char_tokenizer()
+    if args.prompt_data and not os.path.isfile(args.prompt_data):
+        args.prompt_data = None
+    if args.tokenizer and not os.path.isdir(args.tokenizer):
+        args.tokenizer = None
+    tokenizer = None if args.tokenizer else build_char_tokenizer()
     setup = build_run_setup(args, world_size, tokenizer=tokenizer)
     spec, trainer, generator = setup.spec, setup.trainer, setup.generator
     plan = setup.plan()

@@ -11,6 +11,7 @@ accepts the run accepts, and the other way round.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -31,6 +32,13 @@ class RunSetup:
     # gets on top of the run's own server arguments. Empty for the built-in engine.
     sglang_flags: dict = dataclasses.field(default_factory=dict)
 
+    @functools.cached_property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The ids that end a response: the tokenizer's EOS and those of the model's generation_config.json."""
+        from megatron_rl.data.prompts import stop_token_ids
+
+        return stop_token_ids(self.tokenizer, dict.fromkeys((tokenizer_directory(self.args), self.args.load_hf)))
+
     @property
     def world_size(self) -> int:
         return self.trainer.world_size + self.generator.world_size
@@ -47,19 +55,44 @@ def stable_seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of these makes an HF tokenizer
+
+
+def tokenizer_directory(args) -> str | None:
+    """--tokenizer, else the --load-hf checkpoint's own directory; None: the character tokenizer."""
+    return args.tokenizer or args.load_hf
+
+
 def load_tokenizer(args):
-    if args.tokenizer:
-        from transformers import AutoTokenizer
+    """The HF tokenizer of `tokenizer_directory(args)`, or the character tokenizer. With --apply-chat-template
+    it must have a chat template."""
+    directory = tokenizer_directory(args)
+    if directory is None:
+        from megatron_rl.data.tokenizer import build_char_tokenizer
 
-        return AutoTokenizer.from_pretrained(args.tokenizer)
-    from megatron_rl.data.tokenizer import build_char_tokenizer
+        return build_char_tokenizer()
+    flag = f"--tokenizer {directory!r}" + ("" if args.tokenizer else " (by default the --load-hf directory)")
+    if not os.path.isdir(directory):
+        raise ValueError(f"{flag}: no such directory")
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{flag}: no tokenizer files (one of {list(TOKENIZER_FILES)}); give --tokenizer the "
+                         "directory of the model's tokenizer")
+    from transformers import AutoTokenizer
 
-    return build_char_tokenizer()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag}: the tokenizer cannot be loaded ({e})") from None
+    if args.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"--apply-chat-template: the tokenizer in {directory!r} has no chat template "
+                         "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+    return tokenizer
 
 
 def model_spec(args, tokenizer) -> ModelSpec:
     """The architecture: --load-hf's config.json, the built-in tiny model, or a named spec; then --num-layers
-    and the other shape flags override it."""
+    and the other shape flags override it. A model started from scratch has the vocabulary of its tokenizer
+    (a named spec keeps its published one with the character tokenizer, which the dry run stands in with)."""
     if args.load_hf:
         with open(os.path.join(args.load_hf, "config.json")) as f:
             spec = ModelSpec.from_hf_config(json.load(f), name=os.path.basename(os.path.normpath(args.load_hf)))
@@ -69,6 +102,8 @@ def model_spec(args, tokenizer) -> ModelSpec:
                          max_position_embeddings=args.seq_length)
     else:
         spec = get_model_spec(args.model)
+        if args.tokenizer:  # a new model for this tokenizer (Megatron pads the vocabulary for the layout)
+            spec = spec.replace(vocab_size=len(tokenizer))
     overrides = {k: v for k, v in (("num_layers", args.num_layers), ("hidden_size", args.hidden_size),
                                    ("ffn_hidden_size", args.ffn_hidden_size),
                                    ("num_attention_heads", args.num_attention_heads),
@@ -127,6 +162,7 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     """Validate the launch and return its setup. `tokenizer`: use this one instead of loading --tokenizer (the
     dry run plans without tokenizer files)."""
     from megatron_rl import checkpointing
+    from megatron_rl.data.readers import file_format
     from megatron_rl.ddma.plan import validate as validate_plan
     from megatron_rl.rewards.registry import reward_factory
     from megatron_rl.rollout.sglang_flags import check_server_flags
@@ -141,9 +177,15 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of the data-parallel size "
                          f"{trainer.data_parallel_size} x --micro-batch-size {args.micro_batch_size}")
     reward_factory(args.reward_fn)
-    if args.data_path and not os.path.isfile(args.data_path):
-        raise ValueError(f"--data-path {args.data_path!r}: no such file")
+    eval_files = (getattr(args, "eval_prompt_data", None) or [])[1::2]
+    for flag, path in [("--prompt-data", args.prompt_data)] * bool(args.prompt_data) + \
+            [("--eval-prompt-data", p) for p in eval_files]:
+        if not os.path.isfile(path):
+            raise ValueError(f"{flag} {path!r}: no such file")
+        file_format(path, flag)
     if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
         checkpointing.check_checkpoint(args.load, spec, trainer.transformer_impl)
     sglang_flags = check_server_flags(args.sglang) if getattr(args, "sglang", None) else {}
-    return RunSetup(args, tokenizer, spec, trainer, generator, sglang_flags)
+    setup = RunSetup(args, tokenizer, spec, trainer, generator, sglang_flags)
+    setup.stop_token_ids  # noqa: B018 - reads generation_config.json now: a bad one fails here, not mid-run
+    return setup

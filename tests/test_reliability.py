@@ -110,17 +110,17 @@ def _train_cli(capsys, *args):
     ('{"prompt": "1+1"', ":2: invalid JSON"),
     ('{"prompt": "1+1"}', ":2: field 'answer' is missing"),
     ('["1+1", "2"]', ":2: a record must be a JSON object, got list"),
-    ('{"prompt": 5, "answer": "2"}', ":2: field 'prompt' must be a string, got int"),
+    ('{"prompt": 5, "answer": "2"}', ":2: field 'prompt' must be a string or a list of messages, got int"),
     ('{"prompt": "  ", "answer": "2"}', ":2: field 'prompt' is empty"),
     ("\x00\x01garbage", ":2: invalid JSON"),
 ])
 def test_malformed_dataset_lines_are_named(tmp_path, line, message):
-    from megatron_rl.data.jsonl import JsonlDataset
+    from megatron_rl.data.dataset import PromptDataset
 
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "2+2", "answer": "4"}\n' + line + "\n")
     with pytest.raises(ValueError) as error:
-        JsonlDataset(str(path))
+        PromptDataset(str(path))
     assert str(error.value).startswith(f"{path}{message}")
 
 
@@ -201,7 +201,7 @@ def test_randomly_damaged_dataset_files_fail_cleanly_or_load(tmp_path):
     the file and line; nothing else escapes (no UnicodeDecodeError, KeyError, TypeError...)."""
     import random
 
-    from megatron_rl.data.jsonl import JsonlDataset
+    from megatron_rl.data.dataset import PromptDataset
 
     good = "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i), "id": i}) + "\n" for i in range(20))
     rng = random.Random(0)
@@ -213,7 +213,7 @@ def test_randomly_damaged_dataset_files_fail_cleanly_or_load(tmp_path):
         path = tmp_path / f"fuzz{trial}.jsonl"
         path.write_bytes(bytes(data))
         try:
-            dataset = JsonlDataset(str(path))
+            dataset = PromptDataset(str(path))
             assert all(isinstance(r["prompt"], str) for r in dataset.next(len(dataset)))
         except ValueError as e:
             failures += 1

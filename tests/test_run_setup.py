@@ -80,6 +80,9 @@ def test_uneven_stages_reach_megatron_and_the_405b_config_passes_a_launchs_valid
     (["--recompute-method", "uniform", "--recompute-num-layers", "1"], "needs --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-method", "block"], "go together"),
     (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+    (["--apply-chat-template"], "--apply-chat-template needs an HF tokenizer with a chat template"),
+    (["--system-prompt", "Be brief."], "--system-prompt needs --apply-chat-template"),
+    (["--input-key", "question"], "--input-key, --label-key and --metadata-key name fields of --prompt-data"),
 ])
 def test_flags_that_cannot_work_together_are_refused_by_the_parser(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -92,7 +95,8 @@ def test_flags_that_cannot_work_together_are_refused_by_the_parser(flags, messag
      r"--global-batch-size 8 is not a multiple of the data-parallel size 2 x --micro-batch-size 8"),
     (2, ["--reward-fn", "nope"], r"--reward-fn 'nope': not a registered name"),
     (2, ["--reward-fn", "json:no_such_function"], r"module 'json' has no callable 'no_such_function'"),
-    (2, ["--data-path", "/no/such/prompts.jsonl"], r"--data-path '/no/such/prompts.jsonl': no such file"),
+    (2, ["--data-path", "/no/such/prompts.jsonl"], r"--prompt-data '/no/such/prompts.jsonl': no such file"),
+    (2, ["--prompt-data", __file__], r"--prompt-data '.*test_run_setup.py': unknown extension '.py'; use one of"),
     (3, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], r"--sequence-parallel needs norms"),
 ])
 def test_what_would_fail_later_in_the_run_fails_in_the_setup(world, flags, pattern):

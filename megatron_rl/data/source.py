@@ -1,18 +1,34 @@
-"""Where the controller's prompts come from: a JSONL dataset (--data-path) or the synthetic arithmetic task."""
+"""Where the controller's prompts come from: a prompt dataset (--prompt-data) or the synthetic arithmetic task."""
 
 from __future__ import annotations
 
+import os
+
 from megatron_rl.data.arithmetic import ArithmeticTask
-from megatron_rl.data.jsonl import JsonlDataset
+from megatron_rl.data.dataset import PromptDataset
+from megatron_rl.data.records import RecordFields
+
+
+def open_prompt_data(path: str, args, flag: str = "--prompt-data", shuffle: bool = True) -> PromptDataset:
+    """A prompt file read with the run's --input-key/--label-key/--metadata-key; message-list prompts need
+    --apply-chat-template. `flag` names the file in errors."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path!r}: no such file")
+    fields = RecordFields(args.input_key, args.label_key, args.metadata_key)
+    dataset = PromptDataset(path, seed=args.seed, shuffle=shuffle, fields=fields)
+    if dataset.first_message_prompt and not args.apply_chat_template:
+        raise ValueError(f"{dataset.first_message_prompt}: field {args.input_key!r} is a message list, which needs "
+                         "--apply-chat-template")
+    return dataset
 
 
 class PromptSource:
-    """RL prompts (a JSONL dataset, or the arithmetic task), held-out eval prompts, and SFT examples."""
+    """RL prompts (a prompt dataset, or the arithmetic task), held-out eval prompts, and SFT examples."""
 
     SFT_OFFSET = 10**7  # SFT examples are drawn from a separate index range of the task's train split
 
     def __init__(self, args):
-        self.dataset = JsonlDataset(args.data_path, seed=args.seed) if args.data_path else None
+        self.dataset = open_prompt_data(args.prompt_data, args) if args.prompt_data else None
         self.task = ArithmeticTask(seed=args.seed, min_digits=args.task_min_digits, max_digits=args.task_max_digits,
                                    num_operands=args.task_operands)
         self.cursor = 0
@@ -29,7 +45,7 @@ class PromptSource:
 
     def next(self, n: int) -> list[dict]:
         if self.dataset is not None:
-            return [dict(r, id=str(r["id"])) for r in self.dataset.next(n)]
+            return self.dataset.next(n)
         out = self.task.problems(self.cursor, n)
         self.cursor += n
         return out
@@ -39,7 +55,7 @@ class PromptSource:
 
     def sft(self, n: int) -> list[dict]:
         if self.dataset is not None:
-            raise ValueError("--sft-warmup-iters needs the arithmetic task (no --data-path)")
+            raise ValueError("--sft-warmup-iters needs the arithmetic task (no --prompt-data)")
         out = self.task.problems(self.SFT_OFFSET + self.sft_cursor, n)
         self.sft_cursor += n
         return out

@@ -30,9 +30,11 @@ class Scored:
 
 
 class RewardStage:
-    def __init__(self, channel, tokenizer, reward_fn, num_generators: int):
-        """`channel.recv()` gives `((kind, payload), source)` messages of the generators."""
+    def __init__(self, channel, tokenizer, reward_fn, num_generators: int, stop_token_ids):
+        """`channel.recv()` gives `((kind, payload), source)` messages of the generators; `stop_token_ids` are
+        dropped from a response before it is decoded and scored."""
         self.channel, self.tokenizer, self.reward_fn = channel, tokenizer, reward_fn
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.num_generators = num_generators
         self._scored: queue.Queue = queue.Queue()
         threading.Thread(target=self._run, daemon=True, name="reward-stage").start()
@@ -48,8 +50,8 @@ class RewardStage:
                     continue
                 rollouts, stats = payload
                 start = time.perf_counter()
-                eos = self.tokenizer.eos_token_id
-                texts = [self.tokenizer.decode([t for t in o.token_ids if t != eos]) for o, _ in rollouts]
+                texts = [self.tokenizer.decode([t for t in o.token_ids if t not in self.stop_token_ids])
+                         for o, _ in rollouts]
                 rewards = self.reward_fn(texts, [m.reference for _, m in rollouts])
                 self._scored.put(Scored("rollouts", source, stats, rollouts, rewards, time.perf_counter() - start))
         except BaseException as e:  # noqa: BLE001 - raised again in the controller's thread by get()
