@@ -132,7 +132,7 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     if args.global_batch_size % per_step:
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of the data-parallel size "
                          f"{trainer.data_parallel_size} x --micro-batch-size {args.micro_batch_size}")
-    reward_factory(args.reward_fn)
+    reward_factory(args.reward_fn, args.custom_rm_path)
     if args.data_path and not os.path.isfile(args.data_path):
         raise ValueError(f"--data-path {args.data_path!r}: no such file")
     if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
