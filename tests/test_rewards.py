@@ -204,6 +204,16 @@ def test_pool_reports_crashes_and_errors_per_item():
         assert [o.value for o in pool.map(_die_on_three, [(10,)], timeout_s=30)] == [20]
 
 
+def _broken_warmup():
+    raise ImportError("no module named 'grader'")
+
+
+def test_a_worker_that_cannot_start_stops_the_pool_with_its_reason():
+    with WorkerPool(1, warmup=_broken_warmup) as pool, \
+            pytest.raises(RuntimeError, match="(?s)a scoring worker failed to start.*no module named 'grader'"):
+        pool.map(abs, [(-1,)], timeout_s=30)
+
+
 KILLED_PARENT = textwrap.dedent("""
     import os, sys, time
     from megatron_rl.rewards.pool import WorkerPool
