@@ -2,8 +2,8 @@
 like Megatron's, plus the RL groups (rollout, algorithm, reward, data, DDMA). Every SGLang server flag passes
 through as --sglang-<flag> (collected into `args.sglang`; the run setup checks them: rollout/sglang_flags.py).
 The choices of --loss, --advantage-estimator, --loss-aggregation and --rollout-backend are the names in their
-registries (--reward-fn: a registered name or module:function, checked by the run setup). Validation at start
-names flags and values."""
+registries (--reward-fn: a registered name, checked by the run setup, like --custom-rm-path). Validation at
+start names flags and values."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import re
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, POLICY_LOSSES
 from megatron_rl.models.layout import TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
+from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rollout.backends import ENGINE_BACKENDS
 
 
@@ -187,12 +188,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("reward")
     g.add_argument("--reward-fn", default="math",
-                   help=f"a registered name ({', '.join(sorted(REWARD_FUNCTIONS))}) or package.module:function")
+                   help=f"a registered reward function: {', '.join(sorted(REWARD_FUNCTIONS))}")
+    g.add_argument("--custom-rm-path", metavar="FILE.py:FUNCTION | MODULE:FUNCTION",
+                   help="your reward function instead of --reward-fn: called with one RewardSample (prompt, "
+                        "response, label, metadata, finish_reason), it returns a float, a dict with 'reward', or "
+                        "a RewardResult; it runs in the reward worker processes under --reward-timeout")
     g.add_argument("--reward-num-workers", type=int, default=2)
     g.add_argument("--reward-timeout", type=int, default=5, help="seconds per verdict (whole seconds)")
     g.add_argument("--max-consecutive-reward-failures", type=int, default=256,
-                   help="stop the run when the reward function fails (timeout, crash) on this many samples in a "
-                        "row; isolated failures are excluded from training and counted")
+                   help="stop the run when the reward function fails (timeout, crash, bad input) on this many samples "
+                        "in a row; isolated failures are excluded from training and counted")
+    g.add_argument("--overlong-penalty", action="store_true",
+                   help="DAPO's soft overlong punishment: a response longer than --rollout-max-response-len minus "
+                        "--overlong-buffer-len loses up to --overlong-penalty-factor, linearly in the excess")
+    g.add_argument("--overlong-buffer-len", type=int,
+                   help="tokens before the length limit where the overlong penalty grows (default: a quarter of "
+                        "--rollout-max-response-len)")
+    g.add_argument("--overlong-penalty-factor", type=float, help="the overlong penalty at the limit (default 1.0)")
+    g.add_argument("--mask-truncated", action="store_true",
+                   help="responses cut off by the length limit keep their reward in their group's baseline but "
+                        "carry no gradient (all-false loss mask)")
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", "--data-path", dest="prompt_data", metavar="PATH",
@@ -379,5 +394,25 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"{', '.join(flags)} need(s) --rollout-backend sglang")
     if args.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
+    validate_reward_shaping(args, parser)
     if args.rollout_temperature <= 0:
         parser.error(f"--rollout-temperature must be > 0 for RL sampling, got {args.rollout_temperature}")
+
+
+def validate_reward_shaping(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The overlong penalty's options: used only with --overlong-penalty, defaults filled in, ranges checked."""
+    if not args.overlong_penalty:
+        given = [f for f, v in (("--overlong-buffer-len", args.overlong_buffer_len),
+                                ("--overlong-penalty-factor", args.overlong_penalty_factor)) if v is not None]
+        if given:
+            parser.error(f"{', '.join(given)} need(s) --overlong-penalty")
+        return
+    limit = args.rollout_max_response_len
+    if args.overlong_buffer_len is None:
+        args.overlong_buffer_len = max(limit // 4, 1)
+    if args.overlong_penalty_factor is None:
+        args.overlong_penalty_factor = 1.0
+    try:
+        OverlongPenalty(limit, args.overlong_buffer_len, args.overlong_penalty_factor)
+    except ValueError as e:
+        parser.error(str(e))

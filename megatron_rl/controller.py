@@ -34,6 +34,7 @@ from megatron_rl.logging import (
 )
 from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.failures import RewardFailures
+from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rewards.stage import RewardStage
 from megatron_rl.rollout.types import RequestMeta
 from megatron_rl.run_setup import RunSetup, stable_seed
@@ -49,9 +50,12 @@ class Controller:
         self.trainer, self.control, self.leaders = trainer, control, leaders
         self.source = PromptSource(args)
         self.buffer = RolloutBuffer(args.n_samples_per_prompt, args.max_staleness, not args.keep_uniform_groups)
-        self.reward_fn = build_reward_fn(args.reward_fn, args.reward_num_workers, args.reward_timeout)
+        self.reward_fn = build_reward_fn(args.reward_fn, args.reward_num_workers, args.reward_timeout,
+                                         args.custom_rm_path)
         self.stop_token_ids = setup.stop_token_ids
-        self.stage = RewardStage(rollouts, self.tokenizer, self.reward_fn, len(leaders), self.stop_token_ids)
+        shaping = OverlongPenalty(args.rollout_max_response_len, args.overlong_buffer_len,
+                                  args.overlong_penalty_factor) if args.overlong_penalty else None
+        self.stage = RewardStage(rollouts, self.tokenizer, self.reward_fn, len(leaders), self.stop_token_ids, shaping)
         self.prompts_per_step = args.global_batch_size // args.n_samples_per_prompt
         self.rl_params = {"temperature": args.rollout_temperature, "top_k": args.rollout_top_k,
                           "top_p": args.rollout_top_p, "max_new_tokens": args.rollout_max_response_len,
@@ -94,7 +98,7 @@ class Controller:
             self._next_leader += 1
             for k in (range(samples) if isinstance(samples, int) else samples):
                 rid = f"{'eval:' if is_eval else ''}{pid}#{k}"
-                meta = RequestMeta(pid, k, problem["answer"], is_eval, time.time())
+                meta = RequestMeta(pid, k, problem["answer"], is_eval, time.time(), problem.get("metadata", {}))
                 by_leader[leader].append((rid, prompt, dict(params, seed=stable_seed(self.args.seed, rid)), meta))
         for leader, requests in by_leader.items():
             self.control.send(("requests", requests), leader)
@@ -234,7 +238,8 @@ class Controller:
         if ahead:
             self.top_up(self.prompts_per_step)  # the next step's prompts generate while this step trains
         t = time.perf_counter()
-        train_metrics = self.trainer.command("train", TrainBatch.from_groups(groups, self.args.advantage_estimator))
+        train_metrics = self.trainer.command("train", TrainBatch.from_groups(groups, self.args.advantage_estimator,
+                                                                              self.args.mask_truncated))
         times.train_s = time.perf_counter() - t
         if train_metrics["update_successful"]:
             self.consecutive_skips = 0

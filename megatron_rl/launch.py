@@ -15,8 +15,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-
 
 class RankFailure(RuntimeError):
     pass
@@ -76,6 +74,8 @@ def run_on_ranks(
     `fn` must be importable by name (a module-level function), as spawn requires. Each rank has torchrun's
     environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and, unless `backend` is None, a default process group.
     """
+    import torch.multiprocessing as mp  # here, not at the top: die_with_parent's callers need no torch
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

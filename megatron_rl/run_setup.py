@@ -176,7 +176,7 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     if args.global_batch_size % per_step:
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of the data-parallel size "
                          f"{trainer.data_parallel_size} x --micro-batch-size {args.micro_batch_size}")
-    reward_factory(args.reward_fn)
+    reward_factory(args.reward_fn, args.custom_rm_path)
     eval_files = (getattr(args, "eval_prompt_data", None) or [])[1::2]
     for flag, path in [("--prompt-data", args.prompt_data)] * bool(args.prompt_data) + \
             [("--eval-prompt-data", p) for p in eval_files]:

@@ -5,6 +5,7 @@ and the resend of lost samples after a resume; the end-to-end runs (test_control
 executors."""
 
 import json
+import os
 import queue
 import threading
 from collections import Counter
@@ -24,14 +25,7 @@ TOKENIZER = build_char_tokenizer()
 LEADER = 1
 
 
-def reward_exact(responses, references):
-    """The reward the loop tests use (by --reward-fn test_controller_loop:reward_exact): 1 for the exact answer."""
-    return [RewardResult(float(r == ref), "scored", r) for r, ref in zip(responses, references)]
-
-
-def reward_one(responses, references):
-    """Every response right: every group uniform, none carries signal."""
-    return [RewardResult(1.0, "scored", r) for r in responses]
+REWARDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loop_rewards.py")  # for --custom-rm-path
 
 
 class LocalChannel:
@@ -102,9 +96,9 @@ class RecordingTrainer:
 
 
 def _controller(tmp_path, *flags, stale_prompts=0, reward="reward_exact"):
-    args = parse_args(["--global-batch-size", "8", "--n-samples-per-prompt", "4", "--reward-fn",
-                       f"test_controller_loop:{reward}", "--output-dir", str(tmp_path), "--eval-size", "4",
-                       "--log-rollouts", *flags])
+    args = parse_args(["--global-batch-size", "8", "--n-samples-per-prompt", "4", "--custom-rm-path",
+                       f"{REWARDS}:{reward}", "--reward-num-workers", "1", "--reward-timeout", "60",  # a busy machine
+                       "--output-dir", str(tmp_path), "--eval-size", "4", "--log-rollouts", *flags])
     setup = RunSetup(args, TOKENIZER, model_spec(args, TOKENIZER), TrainerLayout(), GeneratorLayout(first_rank=1))
     control, rollouts = LocalChannel(), LocalChannel()
     generator = ScriptedGenerator(control, rollouts, stale_prompts)

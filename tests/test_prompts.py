@@ -151,9 +151,9 @@ def test_the_reward_stage_drops_every_stop_token(hf_dir):
     messages.put((("stopped", {}), 1))
     seen = []
 
-    def reward_fn(texts, references):
-        seen.extend(texts)
-        return [None] * len(texts)
+    def reward_fn(samples):
+        seen.extend(s.response for s in samples)
+        return [None] * len(samples)
 
     class Channel:
         def recv(self):
@@ -173,7 +173,7 @@ def test_the_controller_sends_templated_prompts_with_every_stop_token(hf_dir, tm
     args = parse_args(["--load-hf", hf_dir, "--prompt-data", str(data), "--apply-chat-template", "--system-prompt",
                        "Be brief.", "--global-batch-size", "8", "--micro-batch-size", "8",
                        "--n-samples-per-prompt", "4", "--output-dir", str(tmp_path / "out"),
-                       "--reward-fn", "json:dumps"])
+                       "--custom-rm-path", "json:dumps", "--reward-num-workers", "1"])
     setup = build_run_setup(args, 2)
     sent = []
 
@@ -195,3 +195,4 @@ def test_the_controller_sends_templated_prompts_with_every_stop_token(hf_dir, tm
         assert prompt_ids == setup.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
         assert params["stop_token_ids"] == setup.stop_token_ids and len(setup.stop_token_ids) == 2
     controller.logger.close()
+    controller.reward_fn.close()

@@ -94,7 +94,8 @@ def test_flags_that_cannot_work_together_are_refused_by_the_parser(flags, messag
     (3, ["--global-batch-size", "8", "--micro-batch-size", "8"],
      r"--global-batch-size 8 is not a multiple of the data-parallel size 2 x --micro-batch-size 8"),
     (2, ["--reward-fn", "nope"], r"--reward-fn 'nope': not a registered name"),
-    (2, ["--reward-fn", "json:no_such_function"], r"module 'json' has no callable 'no_such_function'"),
+    (2, ["--custom-rm-path", "json:no_such_function"], r"--custom-rm-path 'json:no_such_function': 'json' has no "
+                                                        r"function 'no_such_function'"),
     (2, ["--data-path", "/no/such/prompts.jsonl"], r"--prompt-data '/no/such/prompts.jsonl': no such file"),
     (2, ["--prompt-data", __file__], r"--prompt-data '.*test_run_setup.py': unknown extension '.py'; use one of"),
     (3, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], r"--sequence-parallel needs norms"),

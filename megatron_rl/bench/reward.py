@@ -19,28 +19,28 @@ def typical_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
 
 
 def run(quick: bool = False, num_workers: int = 2) -> dict:
-    from megatron_rl.rewards import MathScorer
+    from megatron_rl.rewards import MathScorer, RewardSample
 
-    pairs = typical_pairs(200 if quick else 1000)
+    samples = [RewardSample("", response, reference) for response, reference in typical_pairs(200 if quick else 1000)]
     scorer = MathScorer(num_workers=num_workers, timeout_s=5)
     try:
-        warm = ["\\boxed{\\frac{1}{2}}"], ["0.5"]  # a pair that needs a worker (integers are decided without one)
-        scorer(warm[0] * num_workers * 2, warm[1] * num_workers * 2)  # workers up and warm
+        warm = [RewardSample("", "\\boxed{\\frac{1}{2}}", "0.5")]  # needs a worker (integers are decided without)
+        scorer(warm * num_workers * 2)  # workers up and warm
         start = time.perf_counter()
-        results = scorer([p[0] for p in pairs], [p[1] for p in pairs])
+        results = scorer(samples)
         elapsed = time.perf_counter() - start
         single = MathScorer(num_workers=1, timeout_s=5)
         try:
-            single(warm[0] * 2, warm[1] * 2)
+            single(warm * 2)
             start = time.perf_counter()
-            single([p[0] for p in pairs], [p[1] for p in pairs])
+            single(samples)
             single_elapsed = time.perf_counter() - start
         finally:
             single.close()
     finally:
         scorer.close()
     return {
-        "verdicts": len(pairs), "workers": num_workers, "verdicts_per_s": len(pairs) / elapsed,
-        "verdicts_per_s_1_worker": len(pairs) / single_elapsed, "scaling_vs_1_worker": single_elapsed / elapsed,
+        "verdicts": len(samples), "workers": num_workers, "verdicts_per_s": len(samples) / elapsed,
+        "verdicts_per_s_1_worker": len(samples) / single_elapsed, "scaling_vs_1_worker": single_elapsed / elapsed,
         "statuses": {s: sum(r.status == s for r in results) for s in {r.status for r in results}},
     }

@@ -1,12 +1,15 @@
-"""Rewards: sympy-based math equivalence in crash- and hang-proof worker processes, rule terms, and the
-registry behind --reward-fn."""
+"""Rewards: sympy-based math equivalence in crash- and hang-proof worker processes, user reward functions
+(--custom-rm-path) in the same workers, rule terms, overlong shaping, and the registry behind --reward-fn."""
 
+from megatron_rl.rewards.custom import CustomReward
 from megatron_rl.rewards.math import MathScorer, extract_answer, verdict
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS, build_reward_fn
-from megatron_rl.rewards.result import INFRASTRUCTURE_FAILURES, STATUSES, RewardResult
+from megatron_rl.rewards.result import EXCLUDED_STATUSES, INFRASTRUCTURE_FAILURES, STATUSES, RewardResult
 from megatron_rl.rewards.rules import combine, format_reward
+from megatron_rl.rewards.sample import RewardSample
 
 __all__ = [
-    "INFRASTRUCTURE_FAILURES", "MathScorer", "REWARD_FUNCTIONS", "RewardResult", "STATUSES", "build_reward_fn",
-    "combine", "extract_answer", "format_reward", "verdict",
+    "CustomReward", "EXCLUDED_STATUSES", "INFRASTRUCTURE_FAILURES", "MathScorer", "REWARD_FUNCTIONS",
+    "RewardResult", "RewardSample", "STATUSES", "build_reward_fn", "combine", "extract_answer", "format_reward",
+    "verdict",
 ]

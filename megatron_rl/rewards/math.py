@@ -3,51 +3,60 @@
 Extraction takes the final answer of a response, in this order: the last \\boxed{...} (or \\fbox{...}), the
 text after the last "####", the text after the last "answer is", and the last number. math-verify (sympy
 underneath) then compares it with the reference: fractions vs decimals, sets, intervals, radicals, pi,
-equivalent algebraic forms.
+equivalent algebraic forms. A response with several boxes is read by math-verify itself, which takes them
+together as a set ("\\boxed{3}, \\boxed{4}" is {3, 4}): hedging between candidates is not the last one's answer.
+A reference that is prose ("Paris", "the red one") is compared as text, ignoring case, spacing and
+punctuation: math-verify would read it as a product of symbols, in which word order does not count.
 
 Statuses (`rewards.result`): "scored" (reward 1.0 or 0.0), "wrong-format" (no final answer could be extracted
-or parsed: reward 0.0, the policy's fault), "timeout" and "scorer-failure" (infrastructure: excluded from
-training, never a reward). Verdicts run in worker processes, each under a whole-second SIGALRM (math-verify's own
-timeouts are signal-based too and silently return False on a float timeout), and the pool kills any worker
-that overruns its deadline by 0.5 s, which catches C-level work that no signal interrupts (9^9^9^9).
+or parsed: reward 0.0, the policy's fault), "bad-input" (the label is None or not text: excluded), "timeout" and
+"scorer-failure" (infrastructure: excluded from training, never a reward). Pairs decided without sympy (no
+answer, integers, prose) are decided in the caller's process; the rest run in worker processes, each under a
+whole-second time limit (math-verify's own timeouts are signal-based too and silently return False on a float
+timeout), and the pool kills any worker that overruns its deadline, which catches C-level work that no signal
+interrupts (9^9^9^9).
 """
 
 from __future__ import annotations
 
 import re
-import signal
-import threading
+import unicodedata
 
-from megatron_rl.rewards.pool import WorkerPool
+from megatron_rl.rewards.pooled import PooledReward
 from megatron_rl.rewards.result import RewardResult
+from megatron_rl.rewards.sample import RewardSample
+from megatron_rl.rewards.time_limit import TimeLimitExceeded, time_limit
 
 # ---- extraction --------------------------------------------------------------------------------------------------
 
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+# ASCII digits only: int() also reads full-width and Arabic-Indic digits, which math-verify does not.
+_NUMBER = re.compile(r"-?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:/[0-9]+)?|-?\.[0-9]+")
+_BOX = re.compile(r"\\(?:boxed|fbox)\{")
 
 
-def _last_braced(text: str, commands: tuple[str, ...]) -> str | None:
-    best = -1
-    for cmd in commands:
-        best = max(best, text.rfind(cmd + "{"))
-    if best < 0:
-        return None
-    start = text.index("{", best) + 1
-    depth = 1
-    for i in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start:i].strip()
-    return None  # unbalanced braces: malformed
+def boxes(text: str) -> list[str | None]:
+    """The contents of every \\boxed{...} / \\fbox{...} in order; None for one whose braces never close."""
+    out = []
+    for match in _BOX.finditer(text):
+        depth = 1
+        for i in range(match.end(), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                out.append(text[match.end():i].strip())
+                break
+        else:
+            out.append(None)
+    return out
 
 
 def extract_answer(text: str | None) -> str | None:
     """The final answer of a response, or None if it has none."""
     if not text or not text.strip():
         return None
-    if "\\boxed" in text or "\\fbox" in text:
+    boxed = boxes(text)
+    if boxed:
         # A box is the answer; an empty or unbalanced box is a malformed answer, not a cue to look elsewhere.
-        return _last_braced(text, ("\\boxed", "\\fbox")) or None
+        return boxed[-1] or None
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().splitlines()
         return tail[0].strip() if tail and tail[0].strip() else None
@@ -63,30 +72,57 @@ def extract_answer(text: str | None) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
-_INTEGER = re.compile(r"-?\d{1,100}")
+# ---- inputs and the verdicts decided without sympy ------------------------------------------------------------------
+
+def as_text(value, field: str) -> str | RewardResult:
+    """A label or response as text (numbers are written out), or the bad-input result that names the field."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return RewardResult(0.0, "bad-input", None, f"{field} is {type(value).__name__} {value!r:.80}: expected text "
+                                                "or a number")
 
 
-def integer_verdict(response: str, reference: str) -> RewardResult | None:
-    """The verdict without a worker when it is plain integer equality (a response with no final answer, or an
-    integer answer to an integer reference: exactly what math-verify would decide, at no IPC or parsing
-    cost); None when the pair needs the full symbolic check."""
+_TEXT_COMMAND = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mbox)\{([^{}]*)\}")
+_MATH_SIGN = re.compile(r"[\d\\^_{}=+*/<>|$]")
+_WORD = re.compile(r"[^\W\d_]{2,}")
+_MATH_WORDS = {"pi", "inf", "infinity", "sqrt", "sin", "cos", "tan", "log", "ln", "exp"}
+
+
+def is_prose(reference: str) -> bool:
+    """A reference of words (\"Paris\", \"\\text{the red one}\"), no digits or math notation."""
+    text = _TEXT_COMMAND.sub(r"\1", reference)
+    return not _MATH_SIGN.search(text) and any(w not in _MATH_WORDS for w in _WORD.findall(text.casefold()))
+
+
+def normalize_text(text: str) -> str:
+    """Case-, spacing- and punctuation-insensitive form of a prose answer."""
+    text = unicodedata.normalize("NFKC", _TEXT_COMMAND.sub(r"\1", text)).casefold()
+    return " ".join(re.sub(r"[\W_]+", " ", text).split())
+
+
+_INTEGER = re.compile(r"-?[0-9]{1,100}")  # ASCII digits only, as _NUMBER
+
+
+def quick_verdict(response: str, reference: str) -> RewardResult | None:
+    """The verdict without a worker when no symbolic check is needed: a response with no final answer, a prose
+    reference, or an integer answer to an integer reference (exactly what math-verify would decide, at no IPC
+    or parsing cost); None when the pair needs math-verify."""
     extracted = extract_answer(response)
     if extracted is None:
         return RewardResult(0.0, "wrong-format", None, "no final answer found")
-    if _INTEGER.fullmatch(extracted) and _INTEGER.fullmatch(reference.strip()):
+    boxed = boxes(response)
+    if is_prose(reference):
+        answers = boxed if len(boxed) > 1 else [extracted]
+        correct = {normalize_text(a or "") for a in answers} == {normalize_text(reference)}
+        return RewardResult(float(correct), "scored", extracted)
+    if len(boxed) <= 1 and _INTEGER.fullmatch(extracted) and _INTEGER.fullmatch(reference.strip()):
         return RewardResult(1.0 if int(extracted) == int(reference) else 0.0, "scored", extracted)
     return None
 
 
-# ---- the verdict (runs inside a worker process) ---------------------------------------------------------------------
-
-class _Timeout(Exception):
-    pass
-
-
-def _on_alarm(signum, frame):
-    raise _Timeout()
-
+# ---- the symbolic verdict (runs inside a worker process) -------------------------------------------------------------
 
 def _as_math(s: str) -> str:
     s = s.strip()
@@ -94,31 +130,28 @@ def _as_math(s: str) -> str:
 
 
 def verdict(response: str, reference: str, timeout_s: int) -> RewardResult:
-    """Score one pair in the current process (main thread). Used by the pool's workers."""
+    """Score one pair with math-verify in the current process (a worker's main thread: the time limit needs it)."""
     from math_verify import parse, verify
 
     extracted = extract_answer(response)
     if extracted is None:
         return RewardResult(0.0, "wrong-format", None, "no final answer found")
-    use_alarm = threading.current_thread() is threading.main_thread()
-    if use_alarm:
-        previous = signal.signal(signal.SIGALRM, _on_alarm)
-        signal.alarm(timeout_s)
     try:
-        gold = parse(_as_math(reference), parsing_timeout=None)
-        if not gold:
-            return RewardResult(0.0, "scorer-failure", extracted, f"reference {reference!r} cannot be parsed")
-        pred = parse(_as_math(extracted), parsing_timeout=None)
-        if not pred:
-            return RewardResult(0.0, "wrong-format", extracted, "final answer cannot be parsed")
-        ok = verify(gold, pred, timeout_seconds=None)
+        with time_limit(timeout_s):
+            gold = parse(_as_math(reference), parsing_timeout=None)
+            if not gold:
+                return RewardResult(0.0, "scorer-failure", extracted, f"reference {reference!r} cannot be parsed")
+            if len(boxes(response)) > 1:  # math-verify's own reading of several boxes: a set of their answers
+                pred = parse(response, parsing_timeout=None)
+                extracted = str(pred[-1]) if pred else extracted
+            else:
+                pred = parse(_as_math(extracted), parsing_timeout=None)
+            if not pred:
+                return RewardResult(0.0, "wrong-format", extracted, "final answer cannot be parsed")
+            ok = verify(gold, pred, timeout_seconds=None)
         return RewardResult(1.0 if ok else 0.0, "scored", extracted)
-    except _Timeout:
+    except TimeLimitExceeded:
         return RewardResult(0.0, "timeout", extracted, f"no verdict within {timeout_s} s")
-    finally:
-        if use_alarm:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, previous)
 
 
 def _warmup() -> None:
@@ -126,41 +159,32 @@ def _warmup() -> None:
 
     # We enforce timeouts ourselves; math-verify warns about that on every call otherwise.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    verdict("\\boxed{1/2}", "0.5", 10)  # first sympy/latex parse is slow; pay it at worker start
+    # The first parse, and the first use of each of sympy's comparisons, import and compile a lot: pay that at
+    # worker start, not inside the first verdicts' time limit.
+    for response, reference in [("\\boxed{1/2}", "0.5"), ("\\boxed{(x-1)(x+1)}", "x^2-1"),
+                                ("\\boxed{\\{1,2\\}}", "\\{2,1\\}"), ("\\boxed{(0,1]}", "(0,1]")]:
+        verdict(response, reference, 30)
 
 
 # ---- the pool-backed interface --------------------------------------------------------------------------------------
 
-class MathScorer:
-    """Scores batches on a pool of worker processes. Safe against hangs and crashed workers."""
+class MathScorer(PooledReward):
+    """Scores batches of samples (their response against their label) on a pool of worker processes. Safe
+    against hangs, crashed workers and bad labels: each sample gets its own result."""
 
     def __init__(self, num_workers: int = 2, timeout_s: int = 5):
-        self.timeout_s = _whole_seconds(timeout_s)
-        self.pool = WorkerPool(num_workers, warmup=_warmup)
+        super().__init__(num_workers, timeout_s, warmup=_warmup)
 
-    def __call__(self, responses: list[str], references: list[str], timeout_s: int | None = None) -> list[RewardResult]:
-        if len(responses) != len(references):
-            raise ValueError(f"responses has {len(responses)} items, references has {len(references)}")
-        timeout = self.timeout_s if timeout_s is None else _whole_seconds(timeout_s)
-        results: list[RewardResult | None] = [integer_verdict(r, g) for r, g in zip(responses, references)]
+    def __call__(self, samples: list[RewardSample], timeout_s: int | None = None) -> list[RewardResult]:
+        timeout = self._timeout(timeout_s)
+        results: list[RewardResult | None] = []
+        pairs: list[tuple[str, str]] = []
+        for sample in samples:
+            response, label = as_text(sample.response, "response"), as_text(sample.label, "label")
+            bad = next((x for x in (response, label) if isinstance(x, RewardResult)), None)
+            results.append(bad or quick_verdict(response, label))
+            pairs.append((response, label))
         todo = [i for i, r in enumerate(results) if r is None]
-        # The parent deadline sits 0.5 s after the in-worker alarm: every verdict returns within timeout + 1 s.
-        outcomes = self.pool.map(verdict, [(responses[i], references[i], timeout) for i in todo], timeout + 0.5)
-        for i, o in zip(todo, outcomes):
-            if o.status == "ok":
-                results[i] = o.value
-            elif o.status == "timeout":
-                results[i] = RewardResult(0.0, "timeout", None, o.error)
-            else:
-                results[i] = RewardResult(0.0, "scorer-failure", None, f"{o.status}: {o.error.strip()[-500:]}")
-        return results
-
-    def close(self) -> None:
-        self.pool.close()
-
-
-def _whole_seconds(timeout_s) -> int:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s != int(timeout_s) \
-            or timeout_s < 1:
-        raise ValueError(f"timeout_s must be a whole number of seconds >= 1 (SIGALRM), got {timeout_s!r}")
-    return int(timeout_s)
+        for i, result in zip(todo, self._score(verdict, [(*pairs[i], timeout) for i in todo], timeout)):
+            results[i] = result
+        return results  # type: ignore[return-value]

@@ -5,6 +5,9 @@ power tower spends minutes inside C code, where signal-based timeouts never fire
 the OS breaks the whole executor. Here the parent holds a deadline per item: an item past its deadline has
 its worker killed and is reported as "timeout"; an item whose worker died is reported as "crashed"; an
 exception inside the function is reported as "error" with its traceback. Each lost worker is replaced.
+Workers die with the process that started them, however it dies (SIGKILL included): a rank killed mid-run
+leaves no scoring processes behind. (Strictly, with the thread that started it: a pool belongs to long-lived
+threads, the controller's and the reward stage's.)
 """
 
 from __future__ import annotations
@@ -27,8 +30,15 @@ class Outcome:
 
 
 def _worker_main(conn, warmup: Callable[[], None] | None) -> None:
-    if warmup is not None:
-        warmup()
+    from megatron_rl.launch import die_with_parent
+
+    die_with_parent()
+    try:
+        if warmup is not None:
+            warmup()
+    except BaseException:  # noqa: BLE001 - a worker that cannot start stops the pool with the reason
+        conn.send(("warmup-failed", "error", traceback.format_exc(limit=5)))
+        return
     conn.send(("ready", None, None))
     while True:
         try:
@@ -101,6 +111,8 @@ class WorkerPool:
                         continue
                     if task_id == "ready":
                         w.ready = True
+                    elif task_id == "warmup-failed":
+                        raise RuntimeError(f"a scoring worker failed to start:\n{value}")
                     elif w.task and task_id == w.task[0]:
                         results[task_id] = Outcome("ok", value) if status == "ok" else Outcome("error", error=value)
                         w.task = None

@@ -1,21 +1,22 @@
-"""The reward functions by name: the registry behind --reward-fn.
+"""The reward functions by name: the registry behind --reward-fn, and --custom-rm-path, which replaces it.
 
 An entry builds a reward function from the run's reward options (worker processes, timeout); a reward function
-maps (responses, references) to one `RewardResult` per pair, and may have a `close()` that the run calls at the
-end. Users plug in their own with `--reward-fn package.module:function` (a plain function of that signature), or
-add an entry here.
+maps a list of `RewardSample`s to one `RewardResult` per sample, and may have a `close()` that the run calls at
+the end. Users plug in their own per-sample function with --custom-rm-path (`rewards.custom`), or add an entry
+here.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
+from megatron_rl.rewards.custom import CustomReward, load, resolve
 from megatron_rl.rewards.math import MathScorer
 from megatron_rl.rewards.result import RewardResult
 from megatron_rl.rewards.rules import combine, format_reward
+from megatron_rl.rewards.sample import RewardSample
 
-RewardFn = Callable[[list[str], list[str]], list[RewardResult]]
+RewardFn = Callable[[list[RewardSample]], list[RewardResult]]
 
 REWARD_FUNCTIONS: dict[str, Callable[[int, int], RewardFn]] = {  # (num_workers, timeout_s) -> reward function
     "math": lambda workers, timeout: MathScorer(workers, timeout),
@@ -23,24 +24,20 @@ REWARD_FUNCTIONS: dict[str, Callable[[int, int], RewardFn]] = {  # (num_workers,
 }
 
 
-def build_reward_fn(name: str, num_workers: int = 2, timeout_s: int = 5) -> RewardFn:
-    """A registered name (`math`, `math+format`) or `package.module:function`."""
-    return reward_factory(name)(num_workers, timeout_s)
+def build_reward_fn(name: str = "math", num_workers: int = 2, timeout_s: int = 5,
+                    custom_rm_path: str | None = None) -> RewardFn:
+    """--custom-rm-path's function when given, else the registered --reward-fn `name` (math, math+format)."""
+    return reward_factory(name, custom_rm_path)(num_workers, timeout_s)
 
 
-def reward_factory(name: str) -> Callable[[int, int], RewardFn]:
-    """What builds --reward-fn `name` (nothing is started: the run setup checks the flag with it)."""
-    if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
-    if ":" not in name:
-        raise ValueError(f"--reward-fn {name!r}: not a registered name {sorted(REWARD_FUNCTIONS)} nor "
-                         "'module:function'")
-    module_name, attr = name.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"--reward-fn {name!r}: cannot import module {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"--reward-fn {name!r}: module {module_name!r} has no callable {attr!r}")
-    return lambda workers, timeout: fn
+def reward_factory(name: str, custom_rm_path: str | None = None) -> Callable[[int, int], RewardFn]:
+    """What builds the run's reward function. Nothing is started, but a custom function is loaded: the run setup
+    checks the flags with this, so that a missing file or function fails before any work."""
+    if custom_rm_path is not None:
+        spec = resolve(custom_rm_path)
+        load(spec)
+        return lambda workers, timeout: CustomReward(spec, workers, timeout)
+    if name not in REWARD_FUNCTIONS:
+        raise ValueError(f"--reward-fn {name!r}: not a registered name {sorted(REWARD_FUNCTIONS)} (a function of "
+                         "your own goes to --custom-rm-path path/to/file.py:function or package.module:function)")
+    return REWARD_FUNCTIONS[name]

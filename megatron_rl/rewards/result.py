@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-STATUSES = ("scored", "wrong-format", "timeout", "scorer-failure")
+STATUSES = ("scored", "wrong-format", "timeout", "scorer-failure", "bad-input")
 INFRASTRUCTURE_FAILURES = ("timeout", "scorer-failure")
+# Not trained on: the reward could not be computed (infrastructure), or the sample's own data is unusable (a
+# label that is None, say), which is no more the policy's fault than a crashed worker.
+EXCLUDED_STATUSES = INFRASTRUCTURE_FAILURES + ("bad-input",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,8 +17,9 @@ class RewardResult:
     status: str
     extracted: str | None = None
     detail: str = ""
+    extras: dict = dataclasses.field(default_factory=dict)  # a custom reward function's other outputs (JSON)
 
     @property
     def is_failure(self) -> bool:
         """True when the reward could not be computed: the sample must be excluded, not trained on."""
-        return self.status in INFRASTRUCTURE_FAILURES
+        return self.status in EXCLUDED_STATUSES

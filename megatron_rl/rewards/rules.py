@@ -1,17 +1,19 @@
 """Rule-based reward terms and their composition with a base reward function.
 
-A reward function takes (responses, references) and returns one `RewardResult` per pair. Rule terms are
-plain functions of one response; `combine` adds weighted terms to a base reward function.
+A reward function takes a list of `RewardSample`s and returns one `RewardResult` per sample. Rule terms are
+plain functions of one response text; `combine` adds weighted terms to a base reward function.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
 from megatron_rl.rewards.result import RewardResult
+from megatron_rl.rewards.sample import RewardSample
 
-RewardFn = Callable[[list[str], list[str]], list[RewardResult]]
+RewardFn = Callable[[list[RewardSample]], list[RewardResult]]
 
 
 def format_reward(response: str, pattern: str = r"\\boxed\{.+\}", reward: float = 0.1) -> float:
@@ -26,14 +28,14 @@ class combine:
     def __init__(self, base: RewardFn, terms: Sequence[tuple[Callable[[str], float], float]]):
         self.base, self.terms = base, list(terms)
 
-    def __call__(self, responses: list[str], references: list[str]) -> list[RewardResult]:
+    def __call__(self, samples: list[RewardSample]) -> list[RewardResult]:
         out = []
-        for result, response in zip(self.base(responses, references), responses):
+        for result, sample in zip(self.base(samples), samples):
             if result.is_failure:
                 out.append(result)
                 continue
-            extra = sum(weight * term(response) for term, weight in self.terms)
-            out.append(RewardResult(result.reward + extra, result.status, result.extracted, result.detail))
+            extra = sum(weight * term(sample.response) for term, weight in self.terms)
+            out.append(dataclasses.replace(result, reward=result.reward + extra))
         return out
 
     def close(self) -> None:

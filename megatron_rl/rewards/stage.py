@@ -3,7 +3,8 @@
 It receives each generator message as it arrives and scores its rollouts (in the reward function's worker
 processes), so scoring overlaps generation and training instead of running on the trainer's critical path.
 The controller takes scored messages from `get`. The thread ends after every generator said it stopped; an
-exception in it is handed to the controller by `get`, never swallowed.
+exception in it is handed to the controller by `get`, never swallowed. The optional `shaping` (the overlong
+penalty) adjusts RL rollouts' rewards by their length; evaluation rewards stay as scored.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import threading
 import time
 
 from megatron_rl.rewards.result import RewardResult
+from megatron_rl.rewards.sample import RewardSample
+from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rollout.types import RequestMeta, RolloutOutput
 
 
@@ -30,12 +33,13 @@ class Scored:
 
 
 class RewardStage:
-    def __init__(self, channel, tokenizer, reward_fn, num_generators: int, stop_token_ids):
+    def __init__(self, channel, tokenizer, reward_fn, num_generators: int, stop_token_ids,
+                 shaping: OverlongPenalty | None = None):
         """`channel.recv()` gives `((kind, payload), source)` messages of the generators; `stop_token_ids` are
         dropped from a response before it is decoded and scored."""
         self.channel, self.tokenizer, self.reward_fn = channel, tokenizer, reward_fn
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.num_generators = num_generators
+        self.num_generators, self.shaping = num_generators, shaping
         self._scored: queue.Queue = queue.Queue()
         threading.Thread(target=self._run, daemon=True, name="reward-stage").start()
 
@@ -50,12 +54,19 @@ class RewardStage:
                     continue
                 rollouts, stats = payload
                 start = time.perf_counter()
-                texts = [self.tokenizer.decode([t for t in o.token_ids if t not in self.stop_token_ids])
-                         for o, _ in rollouts]
-                rewards = self.reward_fn(texts, [m.reference for _, m in rollouts])
+                rewards = self.reward_fn([self.sample(o, m) for o, m in rollouts])
+                if self.shaping is not None:
+                    rewards = [r if m.is_eval else self.shaping(r, len(o.token_ids))
+                               for r, (o, m) in zip(rewards, rollouts)]
                 self._scored.put(Scored("rollouts", source, stats, rollouts, rewards, time.perf_counter() - start))
         except BaseException as e:  # noqa: BLE001 - raised again in the controller's thread by get()
             self._scored.put(e)
+
+    def sample(self, output: RolloutOutput, meta: RequestMeta) -> RewardSample:
+        response = [t for t in output.token_ids if t not in self.stop_token_ids]
+        return RewardSample(prompt=self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=True),
+                            response=self.tokenizer.decode(response),
+                            label=meta.reference, metadata=meta.metadata, finish_reason=output.finish_reason)
 
     def get(self, timeout: float | None = None) -> Scored:
         """The next scored message; `timeout` 0: only if one is ready. Raises queue.Empty after `timeout`."""

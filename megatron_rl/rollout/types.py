@@ -46,6 +46,7 @@ class RequestMeta:
     reference: str  # the answer the reward function compares with
     is_eval: bool
     dispatched_at: float  # wall time
+    metadata: dict = dataclasses.field(default_factory=dict)  # the dataset record's "metadata", for the reward
 
     @property
     def group(self) -> tuple[bool, str]:

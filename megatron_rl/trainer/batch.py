@@ -91,14 +91,18 @@ class TrainBatch:
                           move(self.advantages), move(self.ref_logprobs))
 
     @classmethod
-    def from_groups(cls, groups: list[list], advantage_estimator: str) -> TrainBatch:
-        """Buffer groups (lists of `buffer.Rollout`, one list per prompt) with advantages within each group."""
+    def from_groups(cls, groups: list[list], advantage_estimator: str, mask_truncated: bool = False) -> TrainBatch:
+        """Buffer groups (lists of `buffer.Rollout`, one list per prompt) with advantages within each group.
+        `mask_truncated` (--mask-truncated): a rollout cut off by the length limit (finish_reason "length") keeps
+        its reward in its group's baseline but gets an all-False loss mask: it carries no gradient."""
         rollouts = [r for g in groups for r in g]
         rewards = torch.tensor([r.reward.reward for r in rollouts], dtype=torch.float32)
         group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g])
         advantages = compute_advantages(rewards, group_ids, advantage_estimator)
         outputs = [r.output for r in rollouts]
-        masks = None if all(o.loss_mask is None for o in outputs) else \
-            [o.loss_mask or [True] * len(o.token_ids) for o in outputs]
+        truncated = [mask_truncated and o.finish_reason == "length" for o in outputs]
+        masks = None if all(o.loss_mask is None for o in outputs) and not any(truncated) else \
+            [[False] * len(o.token_ids) if cut else o.loss_mask or [True] * len(o.token_ids)
+             for o, cut in zip(outputs, truncated)]
         return cls.from_sequences([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
                                   [o.logprobs for o in outputs], advantages.tolist(), masks)
