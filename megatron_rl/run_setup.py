@@ -136,6 +136,11 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     if args.data_path and not os.path.isfile(args.data_path):
         raise ValueError(f"--data-path {args.data_path!r}: no such file")
     if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
-        checkpointing.check_checkpoint(args.load, spec, trainer.transformer_impl)
+        checkpointing.check_checkpoint(args.load, spec, trainer.transformer_impl,
+                                       needs_reference=bool(args.kl_coef) and not args.ref_load)
+    if args.kl_coef and args.ref_load:  # the reference's files and architecture, before any weight is built
+        from megatron_rl.trainer.reference import check_reference_checkpoint
+
+        check_reference_checkpoint(args.ref_load, spec)
     sglang_flags = check_server_flags(args.sglang) if getattr(args, "sglang", None) else {}
     return RunSetup(args, tokenizer, spec, trainer, generator, sglang_flags)

@@ -226,3 +226,116 @@ def test_default_reference_is_the_starting_policy_and_a_resume_restores_it(tmp_p
     assert r["resumed_kl"] == pytest.approx(float((torch.exp(-resumed_d) + resumed_d - 1).mean()), rel=1e-5)
     assert "holds no reference model" in r["no_reference"] and "--ref-load" in r["no_reference"]
     assert math.isfinite(r["resumed_kl"]) and r["resumed_kl"] > 1e-6
+
+
+# ---- the controller: the snapshot before RL, the KL in the reward --------------------------------------------------
+
+def _run_controller(tmp_path, *flags):
+    from test_controller_loop import _controller
+
+    controller, generator, trainer = _controller(tmp_path, "--async-mode", "off", "--train-iters", "1",
+                                                 "--sft-warmup-iters", "1", "--sft-batch-size", "2", *flags)
+    controller.run()
+    controller.shutdown()
+    generator.join(timeout=30)
+    return [name for name, _ in trainer.commands]
+
+
+def test_the_default_reference_is_taken_after_the_warm_up_right_before_rl(tmp_path):
+    commands = _run_controller(tmp_path / "a", "--kl-coef", "0.1")
+    assert commands == ["publish", "sft", "publish", "snapshot_reference", "train", "publish"]
+    # --ref-load names the reference: nothing to copy
+    assert "snapshot_reference" not in _run_controller(tmp_path / "b", "--kl-coef", "0.1", "--ref-load", "ref")
+    assert "snapshot_reference" not in _run_controller(tmp_path / "c")  # no KL penalty, no reference
+
+
+def test_kl_in_the_reward_shapes_the_advantages_as_verl_does(tmp_path):
+    from test_controller_loop import RecordingTrainer, _controller
+
+    class ReferenceTrainer(RecordingTrainer):
+        """Answers "ref_logprobs" with -1.5 for every token (the scripted rollouts' log-probs are -1.0)."""
+
+        def command(self, name, payload=None):
+            if name == "ref_logprobs":
+                self.commands.append((name, payload))
+                return torch.full(payload.behavior_logprobs.shape, -1.5)
+            return super().command(name, payload)
+
+    controller, generator, _ = _controller(tmp_path, "--async-mode", "off", "--kl-coef", "0.2",
+                                           "--use-kl-in-reward")
+    controller.trainer = trainer = ReferenceTrainer()
+    controller.publish()
+    controller.rl_step(1, 0.0)
+    controller.shutdown()
+    generator.join(timeout=30)
+    names = [name for name, _ in trainer.commands]
+    assert names == ["publish", "ref_logprobs", "train", "publish"]
+    batch = trainer.trained()[0]
+    assert torch.equal(batch.ref_logprobs, torch.full(batch.behavior_logprobs.shape, -1.5))
+    # By hand (k1, the default in the reward): each trained token's KL is -1.0 - (-1.5) = 0.5, so a response of n
+    # tokens loses 0.2 x 0.5 x n of its reward. The scripted answers: the right one is the shorter of its group
+    # (reward 1), the wrong one has a digit more (reward 0). Group baseline: minus the group's mean.
+    n = batch.loss_mask.sum(-1).double().view(-1, 4)
+    reward = (n == n.min(-1, keepdim=True).values).double()
+    shaped = reward - 0.2 * 0.5 * n
+    expected = (shaped - shaped.mean(-1, keepdim=True)).flatten()
+    torch.testing.assert_close(batch.advantages.double(), expected, atol=1e-6, rtol=0)
+    assert (reward.sum(-1) == 2).all()  # two right answers per group, as scripted
+
+
+# ---- flags, the run setup and the dry run --------------------------------------------------------------------------
+
+def test_kl_loss_type_defaults_to_k3_in_the_loss_and_k1_in_the_reward():
+    from megatron_rl.arguments import parse_args
+
+    assert parse_args(["--kl-coef", "0.1"]).kl_loss_type == "k3"
+    assert parse_args(["--kl-coef", "0.1", "--use-kl-in-reward"]).kl_loss_type == "k1"
+    assert parse_args(["--kl-coef", "0.1", "--use-kl-in-reward", "--kl-loss-type", "k2"]).kl_loss_type == "k2"
+
+
+def _setup_with(*flags):
+    from megatron_rl.arguments import parse_args
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+    from megatron_rl.run_setup import build_run_setup
+
+    return build_run_setup(parse_args(["--model", "tiny-llama", "--kl-coef", "0.1", *flags]), 2,
+                           tokenizer=build_char_tokenizer())
+
+
+def test_a_bad_ref_load_fails_in_the_setup_naming_the_flag(tmp_path):
+    from megatron_rl.models.spec import get_model_spec
+
+    with pytest.raises(ValueError, match=r"--ref-load '/no/such/dir': no such directory"):
+        _setup_with("--ref-load", "/no/such/dir")
+    other = _write_hf_dir(tmp_path / "other", seed=0)  # SPEC: vocabulary 200, not tiny-llama's 128
+    with pytest.raises(ValueError, match=r"--ref-load .*: the reference model has vocab_size 200, the policy's is "
+                                         r"128"):
+        _setup_with("--ref-load", other)
+    (tmp_path / "torch_dist").mkdir()
+    (tmp_path / "torch_dist" / "megatron_rl.json").write_text(json.dumps({"format": "torch_dist"}))
+    with pytest.raises(ValueError, match=r"--ref-load .*: a Megatron checkpoint of format 'torch_dist'"):
+        _setup_with("--ref-load", str(tmp_path / "torch_dist"))
+    tiny = get_model_spec("tiny-llama")
+    good = tmp_path / "good"
+    good.mkdir()
+    from helpers import random_hf_weights
+    from safetensors.torch import save_file
+
+    save_file(random_hf_weights(tiny), str(good / "model.safetensors"))
+    (good / "config.json").write_text(json.dumps(tiny.to_hf_config()))
+    assert _setup_with("--ref-load", str(good)).spec.weight_fields() == tiny.weight_fields()
+
+
+def test_dry_run_counts_the_reference_weights(capsys):
+    from megatron_rl.arguments import parse_args
+    from megatron_rl.dry_run import dry_run, main
+
+    flags = ["--config", "llama3-8b", "--rollout-num-replicas", "8"]
+    plain = dry_run(parse_args(flags), 16)["memory_per_gpu"]["trainer"]
+    with_kl = dry_run(parse_args([*flags, "--kl-coef", "0.01"]), 16)["memory_per_gpu"]["trainer"]
+    assert plain["reference_gib"] == 0
+    # the reference holds the trainer's shard in the training dtype: bf16, 2 bytes per parameter
+    assert with_kl["reference_gib"] * 2**30 == with_kl["params"] * 2 == 4_015_263_744 * 2
+    assert with_kl["total_gib"] == pytest.approx(plain["total_gib"] + with_kl["reference_gib"])
+    main(parse_args([*flags, "--kl-coef", "0.01", "--world-size", "16"]))
+    assert "KL reference weights 7.5" in capsys.readouterr().out
