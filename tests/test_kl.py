@@ -191,6 +191,7 @@ def _default_reference_rank(directory, plain_directory):
     out["resumed_kl"] = resumed.train_step(batch)["kl_ref"]
     out["loaded"] = _params(resumed) | {"ref_params": {n: p.detach().clone()
                                                        for n, p in resumed.reference.module.named_parameters()}}
+    load_trainer_checkpoint(resumed.policy, directory)  # a run without the KL penalty ignores the saved reference
     try:
         load_trainer_checkpoint(resumed.policy, plain_directory, reference=resumed.reference.module)
     except ValueError as e:
@@ -339,3 +340,22 @@ def test_dry_run_counts_the_reference_weights(capsys):
     assert with_kl["total_gib"] == pytest.approx(plain["total_gib"] + with_kl["reference_gib"])
     main(parse_args([*flags, "--kl-coef", "0.01", "--world-size", "16"]))
     assert "KL reference weights 7.5" in capsys.readouterr().out
+
+
+# ---- end to end: a run with the KL penalty, saved and resumed ------------------------------------------------------
+
+def test_a_run_with_a_kl_penalty_resumes_with_its_reference(tmp_path):
+    """The real executors (trainer TP=2, one generator): the default reference is the starting policy (KL 0 at step
+    1), the policy moves away from it (KL != 0 at step 2), and the resumed run's KL is again to that reference, not
+    to a copy of the resumed policy (which would give exactly 0). The untrained model's rewards are all 0: k1, whose
+    gradient is not 0 at pi = ref, moves the policy. The resumed step puts the KL in the reward."""
+    from test_controller import _train
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    metrics, _, _ = _train(out, "--train-iters", "2", "--async-mode", "off", "--kl-coef", "0.05", "--kl-loss-type",
+                           "k1", "--save", str(ckpt), "--save-interval", "2")
+    kl = [m["train"]["kl_ref"] for m in metrics]
+    assert kl[0] == 0.0 and kl[1] != 0
+    metrics, _, _ = _train(out, "--train-iters", "3", "--async-mode", "off", "--kl-coef", "0.05",
+                           "--use-kl-in-reward", "--load", str(ckpt))
+    assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[2]["train"]["kl_ref"] != 0
