@@ -12,7 +12,7 @@ import json
 import os
 import re
 
-from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, POLICY_LOSSES
+from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from megatron_rl.models.layout import TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
 from megatron_rl.rewards.shaping import OverlongPenalty
@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--load", help="resume from this megatron-rl checkpoint directory")
     g.add_argument("--load-hf", help="initial policy weights from an HF checkpoint directory")
+    g.add_argument("--ref-load",
+                   help="with --kl-coef: the reference policy's weights, an HF checkpoint directory or a Megatron one "
+                        "written by tools/convert_hf_to_megatron.py (safetensors format); default: the policy as RL "
+                        "begins (after any --sft-warmup-iters), kept in RL checkpoints")
     g.add_argument("--save", help="save checkpoints here")
     g.add_argument("--save-interval", type=int, default=0)
 
@@ -170,7 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ppo-clip-eps", type=float, default=0.2)
     g.add_argument("--advantage-estimator", choices=sorted(ADVANTAGE_ESTIMATORS), default="group-baseline")
     g.add_argument("--loss-aggregation", choices=sorted(AGGREGATIONS), default="token-mean")
-    g.add_argument("--kl-coef", type=float, default=0.0)
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="weight of the KL divergence to a frozen reference policy (see --ref-load); 0: none")
+    g.add_argument("--kl-loss-type", choices=list(KL_ESTIMATORS), default=None,
+                   help="the per-token KL estimator, with d = log pi - log ref: k1 = d, k2 = d^2 / 2, k3 = exp(-d) + "
+                        "d - 1 (GRPO's low-variance one); default k3 as a loss term, k1 with --use-kl-in-reward")
+    g.add_argument("--use-kl-in-reward", action="store_true",
+                   help="subtract --kl-coef x the KL summed over each response from its reward before the "
+                        "advantages (verl's form; the KL of the policy that sampled it) instead of adding the KL "
+                        "to the loss")
     g.add_argument("--entropy-coef", type=float, default=0.0)
     g.add_argument("--async-mode", choices=["on", "off", "alternate"], default="on",
                    help="on: generation overlaps training (off-policy, AIPO-corrected); off: the synchronous "
@@ -351,9 +363,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                      "with its tokenizer files); the character tokenizer has none")
     if args.system_prompt is not None and not args.apply_chat_template:
         parser.error("--system-prompt needs --apply-chat-template (a system message is part of a chat)")
-    if args.kl_coef:
-        parser.error(f"--kl-coef {args.kl_coef}: the KL penalty needs a reference policy's log-probs, which runs "
-                     "do not compute yet; use --kl-coef 0")
+    validate_kl(args, parser)
     if args.num_query_groups is not None and not args.group_query_attention:
         parser.error(f"--num-query-groups {args.num_query_groups} needs --group-query-attention (as in Megatron-LM)")
     if args.group_query_attention and args.num_query_groups is None:
@@ -416,3 +426,17 @@ def validate_reward_shaping(args: argparse.Namespace, parser: argparse.ArgumentP
         OverlongPenalty(limit, args.overlong_buffer_len, args.overlong_penalty_factor)
     except ValueError as e:
         parser.error(str(e))
+
+
+def validate_kl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The KL flags: a coefficient >= 0; --kl-loss-type, --use-kl-in-reward and --ref-load only with a KL penalty.
+    Sets the default --kl-loss-type (k3 in the loss, k1 in the reward)."""
+    if args.kl_coef < 0:
+        parser.error(f"--kl-coef must be >= 0, got {args.kl_coef}")
+    if not args.kl_coef:
+        given = [flag for flag, value in (("--kl-loss-type", args.kl_loss_type), ("--ref-load", args.ref_load),
+                                          ("--use-kl-in-reward", args.use_kl_in_reward)) if value]
+        if given:
+            parser.error(f"{', '.join(given)} need(s) a KL penalty: --kl-coef > 0")
+    if args.kl_loss_type is None:
+        args.kl_loss_type = "k1" if args.use_kl_in_reward else "k3"

@@ -80,10 +80,11 @@ def read_rl_state(directory: str, step: int) -> dict:
     return state
 
 
-def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str) -> int:
+def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, needs_reference: bool = False) -> int:
     """Everything that can be checked before any work: the tracker, the step's directory, the trainer's dist
-    checkpoint metadata, the controller state, and that the saved model and layer spec (whose parameter names
-    the trainer's checkpoint uses) are this run's. Returns the step."""
+    checkpoint metadata, the controller state, that the saved model and layer spec (whose parameter names
+    the trainer's checkpoint uses) are this run's, and (`needs_reference`: a KL penalty to the default reference)
+    that the checkpoint saved the reference model. Returns the step."""
     step = latest_checkpoint_step(directory)
     path = iteration_dir(directory, step)
     if not os.path.isdir(path):
@@ -100,6 +101,10 @@ def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str) -> 
         if saved.get(field) != value:
             raise ValueError(f"--load {directory!r}: the saved model has {field} {saved.get(field)}, this run's is "
                              f"{value} (model {spec.name!r})")
+    if needs_reference:
+        from megatron_rl.trainer.checkpoint import check_has_reference
+
+        check_has_reference(path)
     return step
 
 

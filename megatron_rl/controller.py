@@ -232,14 +232,23 @@ class Controller:
                 self.rollout_log.outcomes(step, self.version, batch.outcomes)
         return groups, seen
 
+    def make_batch(self, groups: list) -> TrainBatch:
+        """The step's batch; with --use-kl-in-reward the trainer computes the reference log-probs first and the
+        KL shapes the rewards (`TrainBatch.from_groups`)."""
+        args = self.args
+        if not args.use_kl_in_reward:
+            return TrainBatch.from_groups(groups, args.advantage_estimator, args.mask_truncated)
+        return TrainBatch.from_groups(groups, args.advantage_estimator, args.mask_truncated,
+                                      reference=lambda batch: self.trainer.command("ref_logprobs", batch),
+                                      kl_coef=args.kl_coef, kl_estimator=args.kl_loss_type)
+
     def rl_step(self, step: int, run_start: float) -> dict:
         ahead, times, start = self.is_async_step(step), StepTimes(), time.perf_counter()
         groups, seen = self.collect(step, times)
         if ahead:
             self.top_up(self.prompts_per_step)  # the next step's prompts generate while this step trains
         t = time.perf_counter()
-        train_metrics = self.trainer.command("train", TrainBatch.from_groups(groups, self.args.advantage_estimator,
-                                                                              self.args.mask_truncated))
+        train_metrics = self.trainer.command("train", self.make_batch(groups))
         times.train_s = time.perf_counter() - t
         if train_metrics["update_successful"]:
             self.consecutive_skips = 0
@@ -276,6 +285,8 @@ class Controller:
         if args.sft_warmup_iters and not args.load:
             self.sft_warmup()
             self.publish()
+        if args.kl_coef and not args.ref_load and not args.load:
+            self.trainer.command("snapshot_reference")  # the default reference: the policy as RL begins
         if self.eval_sets:
             self.logger.log(start_step, {"eval": self.evaluate(start_step)})
         run_start = time.time()

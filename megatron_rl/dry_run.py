@@ -7,8 +7,9 @@ Memory per GPU (weights, gradients and optimizer state; activations and the KV c
 sequence and are not included): the trainer rank with the most parameters (exact shards from the layout
 mapping, vocabulary padding included) holds its weights (2 bytes in bf16, 4 in fp32), fp32 gradients (4) and
 Adam's fp32 main weights and two moments (12 in bf16, 8 in fp32), the latter divided by DP with the
-distributed optimizer. A generator TP rank holds its runtime weights: 1 byte per parameter of block-FP8
-linear weights (plus their scales) and 2 bytes for the rest.
+distributed optimizer; with --kl-coef, also the frozen reference model's weights (the same shard, in the same
+dtype). A generator TP rank holds its runtime weights: 1 byte per parameter of block-FP8 linear weights (plus
+their scales) and 2 bytes for the rest.
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from megatron_rl.models.fp8 import is_fp8_weight, scale_shape
 GIB = 2**30
 
 
-def trainer_memory(spec, layout: L.TrainerLayout, bf16: bool, distributed_optimizer: bool) -> dict:
+def trainer_memory(spec, layout: L.TrainerLayout, bf16: bool, distributed_optimizer: bool,
+                   reference: bool = False) -> dict:
     params = max(sum(s.numel for s in L.megatron_shards(spec, layout, 0, pp).values())
                  for pp in range(layout.pipeline_parallel_size))
     weights = params * (2 if bf16 else 4)
     grads = params * 4
     optimizer = params * (12 if bf16 else 8) / (layout.data_parallel_size if distributed_optimizer else 1)
+    reference_weights = weights if reference else 0
     return {"params": params, "weights_gib": weights / GIB, "grads_gib": grads / GIB,
-            "optimizer_gib": optimizer / GIB, "total_gib": (weights + grads + optimizer) / GIB}
+            "optimizer_gib": optimizer / GIB, "reference_gib": reference_weights / GIB,
+            "total_gib": (weights + grads + optimizer + reference_weights) / GIB}
 
 
 def generator_memory(spec, tp: int, fp8: bool) -> dict:
@@ -52,13 +56,15 @@ def dry_run(args, world_size: int) -> dict:
     from megatron_rl.run_setup import build_run_setup
 
     # No file is needed: the architecture comes from --load-hf's config.json if it is here, else from --model; the
-    # tokenizer from --tokenizer if it is here, else the character tokenizer stands in; --prompt-data is checked
-    # if it is here.
+    # tokenizer from --tokenizer if it is here, else the character tokenizer stands in; --prompt-data and --ref-load
+    # are checked if they are here.
     args = copy.copy(args)
     if args.load_hf and not os.path.isfile(os.path.join(args.load_hf, "config.json")):
         args.load_hf = None
     if args.prompt_data and not os.path.isfile(args.prompt_data):
         args.prompt_data = None
+    if args.ref_load and not os.path.isdir(args.ref_load):
+        args.ref_load = None
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         args.tokenizer = None
     tokenizer = None if args.tokenizer else build_char_tokenizer()
@@ -83,7 +89,8 @@ def dry_run(args, world_size: int) -> dict:
             "reward": f"{args.reward_num_workers} worker processes beside trainer rank 0",
         },
         "memory_per_gpu": {
-            "trainer": trainer_memory(spec, trainer, args.bf16, args.use_distributed_optimizer),
+            "trainer": trainer_memory(spec, trainer, args.bf16, args.use_distributed_optimizer,
+                                      reference=args.kl_coef > 0),
             "generator": generator_memory(spec, gtp, generator.fp8),
         },
         "ddma": ddma,
@@ -106,8 +113,9 @@ def main(args) -> int:
     print(f"generator replicas: {rm['generators']['replicas']} x TP={rm['generators']['tensor_parallel']}"
           f"{' FP8' if rm['generators']['fp8'] else ''}, ranks {rm['generators']['ranks']}")
     print(f"memory per GPU: trainer {m['trainer']['total_gib']:.1f} GiB (weights {m['trainer']['weights_gib']:.1f}, "
-          f"grads {m['trainer']['grads_gib']:.1f}, optimizer {m['trainer']['optimizer_gib']:.1f}); "
-          f"generator weights {m['generator']['weights_gib']:.1f} GiB")
+          f"grads {m['trainer']['grads_gib']:.1f}, optimizer {m['trainer']['optimizer_gib']:.1f}"
+          + (f", KL reference weights {m['trainer']['reference_gib']:.1f}" if args.kl_coef > 0 else "")
+          + f"); generator weights {m['generator']['weights_gib']:.1f} GiB")
     d = report["ddma"]
     print(f"DDMA: {d['num_transfers']} transfers, {d['total_bytes'] / 1e9:.1f} GB, busiest GPU sends "
           f"{d['max_send_bytes'] / 1e9:.2f} GB / receives {d['max_recv_bytes'] / 1e9:.2f} GB, estimated "

@@ -184,7 +184,12 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
             raise ValueError(f"{flag} {path!r}: no such file")
         file_format(path, flag)
     if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
-        checkpointing.check_checkpoint(args.load, spec, trainer.transformer_impl)
+        checkpointing.check_checkpoint(args.load, spec, trainer.transformer_impl,
+                                       needs_reference=bool(args.kl_coef) and not args.ref_load)
+    if args.kl_coef and args.ref_load:  # the reference's files and architecture, before any weight is built
+        from megatron_rl.trainer.reference import check_reference_checkpoint
+
+        check_reference_checkpoint(args.ref_load, spec)
     sglang_flags = check_server_flags(args.sglang) if getattr(args, "sglang", None) else {}
     setup = RunSetup(args, tokenizer, spec, trainer, generator, sglang_flags)
     setup.stop_token_ids  # noqa: B018 - reads generation_config.json now: a bad one fails here, not mid-run

@@ -14,6 +14,7 @@ from megatron_rl.algorithms import (
     failure_gate,
     group_filter,
     kl_penalty,
+    kl_reward_penalty,
     lag_histogram,
     offpolicy_diagnostics,
     ppo_clip_loss,
@@ -163,15 +164,40 @@ def test_ppo_clip_zero_gradient_outside_trust_region_and_sign_dependence():
 
 
 def test_kl_estimators_by_hand():
-    lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
-    ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
-    mask = torch.tensor([[True, True]])
-    torch.testing.assert_close(kl_penalty(lp, ref, mask, "k1"), lp - ref)
-    d = ref - lp
-    torch.testing.assert_close(kl_penalty(lp, ref, mask, "k3"), d.exp() - d - 1)
-    assert (kl_penalty(lp, ref, mask, "k3") >= 0).all()
-    with pytest.raises(ValueError, match="estimator 'k2'"):
-        kl_penalty(lp, ref, mask, "k2")
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -1.0, -7.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False]])
+    d = torch.tensor([[0.5, -1.0, 0.0]], dtype=torch.float64)  # log pi - log ref, 0 where masked
+    torch.testing.assert_close(kl_penalty(lp, ref, mask, "k1"), d)
+    torch.testing.assert_close(kl_penalty(lp, ref, mask, "k2"), torch.tensor([[0.125, 0.5, 0.0]],
+                                                                             dtype=torch.float64))
+    k3 = torch.tensor([[math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(kl_penalty(lp, ref, mask, "k3"), k3)
+    with pytest.raises(ValueError, match="--kl-loss-type 'k4' is unknown"):
+        kl_penalty(lp, ref, mask, "k4")
+
+
+@pytest.mark.parametrize("estimator,derivative", [
+    ("k1", lambda d: torch.ones_like(d)),
+    ("k2", lambda d: d),
+    ("k3", lambda d: 1 - torch.exp(-d)),
+])
+def test_kl_estimator_gradients_by_hand(estimator, derivative):
+    g = torch.Generator().manual_seed(3)
+    lp = (-torch.rand(3, 5, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    ref = lp.detach() + torch.randn(3, 5, generator=g, dtype=torch.float64)
+    mask = torch.rand(3, 5, generator=g) > 0.3
+    kl_penalty(lp, ref, mask, estimator).sum().backward()
+    expected = torch.where(mask, derivative(lp.detach() - ref), torch.zeros((), dtype=torch.float64))
+    torch.testing.assert_close(lp.grad, expected, atol=1e-12, rtol=0)
+
+
+def test_kl_in_the_reward_is_the_coefficient_times_the_summed_kl():
+    behavior = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -1.0, -9.0], [-0.25, -9.0, -9.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    penalty = kl_reward_penalty(behavior, ref, mask, 0.1, "k1")
+    torch.testing.assert_close(penalty, torch.tensor([0.1 * (0.5 - 1.0), 0.1 * -0.25], dtype=torch.float64))
 
 
 # ---- advantages -----------------------------------------------------------------------------------------------

@@ -72,7 +72,10 @@ def test_uneven_stages_reach_megatron_and_the_405b_config_passes_a_launchs_valid
 
 @pytest.mark.parametrize("flags,message", [
     (["--log-interval", "0"], "--log-interval must be >= 1, got 0"),
-    (["--kl-coef", "0.1"], "--kl-coef 0.1: the KL penalty needs a reference policy's log-probs"),
+    (["--kl-coef", "-0.1"], "--kl-coef must be >= 0, got -0.1"),
+    (["--kl-loss-type", "k2", "--use-kl-in-reward"], "--kl-loss-type, --use-kl-in-reward need(s) a KL penalty: "
+                                                     "--kl-coef > 0"),
+    (["--ref-load", "ref"], "--ref-load need(s) a KL penalty: --kl-coef > 0"),
     (["--sft-warmup-iters", "2", "--data-path", "x.jsonl"], "--sft-warmup-iters needs the arithmetic task"),
     (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
     (["--group-query-attention"], "--group-query-attention needs --num-query-groups"),

@@ -22,6 +22,7 @@ import torch
 
 from megatron_rl.algorithms.aggregation import AGGREGATIONS, aggregate
 from megatron_rl.algorithms.aipo import aipo_clamp_loss, aipo_loss
+from megatron_rl.algorithms.kl import KL_ESTIMATORS
 from megatron_rl.algorithms.ppo import ppo_clip_loss
 
 
@@ -32,8 +33,9 @@ class AlgorithmConfig:
     clip_eps: float = 0.2  # PPO
     clip_eps_high: float | None = None
     aggregation: str = "token-mean"
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl_coef: float = 0.0  # weight of the KL to the reference policy (0: no reference)
+    kl_estimator: str = "k3"  # --kl-loss-type
+    kl_in_reward: bool = False  # True: the KL was subtracted from the rewards; the loss only reports it
     entropy_coef: float = 0.0
     temperature: float = 1.0
 
@@ -42,6 +44,10 @@ class AlgorithmConfig:
                                                                         AGGREGATIONS)):
             if value not in registry:
                 raise ValueError(f"{flag} {value!r} is unknown; choose one of {sorted(registry)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"--kl-loss-type {self.kl_estimator!r} is unknown; choose one of {list(KL_ESTIMATORS)}")
+        if self.kl_coef < 0:
+            raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         if self.temperature <= 0:
             raise ValueError(f"--rollout-temperature must be > 0 for training, got {self.temperature}")
 

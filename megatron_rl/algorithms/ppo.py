@@ -1,4 +1,4 @@
-"""PPO/GRPO double-sided clipped surrogate, and the KL penalty to a reference policy.
+"""PPO/GRPO double-sided clipped surrogate.
 
 Kept beside AIPO for the comparison of the LlamaRL appendix: PPO clips the ratio to [1 - eps, 1 + eps_high]
 conditioned on the sign of the advantage (taking the pessimistic of the two surrogates), so tokens outside
@@ -12,8 +12,6 @@ import torch
 from megatron_rl.algorithms import checks
 from megatron_rl.algorithms.aggregation import aggregate
 from megatron_rl.algorithms.diagnostics import offpolicy_diagnostics
-
-KL_ESTIMATORS = ("k1", "k3")
 
 
 def ppo_clip_loss(
@@ -46,17 +44,3 @@ def ppo_clip_loss(
                                     clip_high=1 + high)
     return loss, metrics
 
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, loss_mask: torch.Tensor,
-               estimator: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate on sampled tokens: k1 = log pi - log ref (unbiased, can be
-    negative), k3 = exp(ref - pi) - (ref - pi) - 1 (unbiased, non-negative). Masked tokens give 0."""
-    checks.bool_mask("loss_mask", loss_mask)
-    checks.same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs, loss_mask=loss_mask)
-    zero = torch.zeros((), dtype=logprobs.dtype)
-    delta = torch.where(loss_mask, ref_logprobs - logprobs, zero).clamp(-20.0, 20.0)
-    if estimator == "k1":
-        return -delta
-    if estimator == "k3":
-        return torch.exp(delta) - delta - 1
-    raise ValueError(f"estimator {estimator!r} is unknown; choose one of {KL_ESTIMATORS}")

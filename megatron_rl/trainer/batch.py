@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_rl.algorithms import compute_advantages
+from megatron_rl.algorithms import compute_advantages, kl_reward_penalty
 
 
 def _ragged_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,7 +25,7 @@ class TrainBatch:
     loss_mask: torch.Tensor  # [N, L-1] bool: True where tokens[:, t+1] is a policy action to train on
     behavior_logprobs: torch.Tensor  # [N, L-1] float: mu's log-prob of tokens[:, t+1] (0 where masked)
     advantages: torch.Tensor  # [N] float
-    ref_logprobs: torch.Tensor | None = None  # [N, L-1] for the KL penalty
+    ref_logprobs: torch.Tensor | None = None  # [N, L-1] the reference policy's log-probs, for the KL penalty
 
     @classmethod
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -91,18 +91,31 @@ class TrainBatch:
                           move(self.advantages), move(self.ref_logprobs))
 
     @classmethod
-    def from_groups(cls, groups: list[list], advantage_estimator: str, mask_truncated: bool = False) -> TrainBatch:
+    def from_groups(cls, groups: list[list], advantage_estimator: str, mask_truncated: bool = False,
+                    reference: Callable[[TrainBatch], torch.Tensor] | None = None, kl_coef: float = 0.0,
+                    kl_estimator: str = "k1") -> TrainBatch:
         """Buffer groups (lists of `buffer.Rollout`, one list per prompt) with advantages within each group.
+
         `mask_truncated` (--mask-truncated): a rollout cut off by the length limit (finish_reason "length") keeps
-        its reward in its group's baseline but gets an all-False loss mask: it carries no gradient."""
+        its reward in its group's baseline but gets an all-False loss mask: it carries no gradient.
+
+        The KL in the reward (--use-kl-in-reward): `reference(batch)` gives the reference log-probs of the packed
+        rollouts ([N, L-1], kept as the batch's `ref_logprobs`), and each reward is reduced by `kl_coef` x the
+        rollout's per-token KL summed over its response (`kl_reward_penalty`, with the behavior log-probs: the
+        policy that sampled it) before the advantages, as verl's `apply_kl_penalty` does."""
         rollouts = [r for g in groups for r in g]
         rewards = torch.tensor([r.reward.reward for r in rollouts], dtype=torch.float32)
         group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g])
-        advantages = compute_advantages(rewards, group_ids, advantage_estimator)
         outputs = [r.output for r in rollouts]
         truncated = [mask_truncated and o.finish_reason == "length" for o in outputs]
         masks = None if all(o.loss_mask is None for o in outputs) and not any(truncated) else \
             [[False] * len(o.token_ids) if cut else o.loss_mask or [True] * len(o.token_ids)
              for o, cut in zip(outputs, truncated)]
-        return cls.from_sequences([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
-                                  [o.logprobs for o in outputs], advantages.tolist(), masks)
+        batch = cls.from_sequences([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
+                                   [o.logprobs for o in outputs], [0.0] * len(rollouts), masks)
+        if reference is not None:
+            batch.ref_logprobs = reference(batch)
+            rewards = rewards - kl_reward_penalty(batch.behavior_logprobs, batch.ref_logprobs, batch.loss_mask,
+                                                  kl_coef, kl_estimator)
+        batch.advantages = compute_advantages(rewards, group_ids, advantage_estimator)
+        return batch

@@ -1,5 +1,5 @@
-"""Distributed checkpoints of the trainer (model, optimizer, scheduler, step) with Megatron-Core's
-`dist_checkpointing`: saved under one TP/PP layout, loadable under another.
+"""Distributed checkpoints of the trainer (model, optimizer, scheduler, step, and the frozen reference model
+of a KL penalty) with Megatron-Core's `dist_checkpointing`: saved under one TP/PP layout, loadable under another.
 
 The optimizer state is saved "fully_reshardable": on CPU the default sharding type fails, and
 `dp_reshardable` resumed with a wrong loss.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.trainer.policy import Policy
@@ -16,7 +17,10 @@ from megatron_rl.trainer.policy import Policy
 SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _sharded_state(policy: Policy, scheduler, is_loading: bool) -> dict:
+REFERENCE_KEY = "ref_model"  # the reference model's weights, under their own tensor names (this prefix)
+
+
+def _sharded_state(policy: Policy, scheduler, is_loading: bool, reference: torch.nn.Module | None = None) -> dict:
     model_sd = policy.module.sharded_state_dict()
     state = {
         "model": model_sd,
@@ -24,6 +28,8 @@ def _sharded_state(policy: Policy, scheduler, is_loading: bool) -> dict:
     }
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
+    if reference is not None:
+        state[REFERENCE_KEY] = reference.sharded_state_dict(prefix=REFERENCE_KEY + ".")
     return state
 
 
@@ -38,32 +44,51 @@ def _check_resumable(policy: Policy) -> None:
                          "--use-distributed-optimizer on this machine")
 
 
-def save_trainer_checkpoint(policy: Policy, directory: str, scheduler=None, extra: dict | None = None) -> None:
-    """Collective: every trainer rank calls it. `extra` (plain data) is saved as common state."""
+def save_trainer_checkpoint(policy: Policy, directory: str, scheduler=None, extra: dict | None = None,
+                            reference: torch.nn.Module | None = None) -> None:
+    """Collective: every trainer rank calls it. `extra` (plain data) is saved as common state; `reference`: the
+    reference model (this rank's shard), saved beside the policy."""
     from megatron.core import dist_checkpointing
 
     _check_resumable(policy)
-    state = _sharded_state(policy, scheduler, is_loading=False)
+    state = _sharded_state(policy, scheduler, is_loading=False, reference=reference)
     state["extra"] = extra or {}
+    state["has_reference"] = reference is not None
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(state, directory, content_metadata=SHARDED_METADATA)
 
 
-def load_trainer_checkpoint(policy: Policy, directory: str, scheduler=None) -> dict:
-    """Collective: load model, optimizer and scheduler state saved under any TP/PP layout; return `extra`."""
+def load_trainer_checkpoint(policy: Policy, directory: str, scheduler=None,
+                            reference: torch.nn.Module | None = None) -> dict:
+    """Collective: load model, optimizer and scheduler state saved under any TP/PP layout (and, when `reference` is
+    given, the reference model's weights into it); return `extra`."""
     from megatron.core import dist_checkpointing
 
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--load {directory!r}: no checkpoint directory")
     _check_resumable(policy)
-    state = _sharded_state(policy, scheduler, is_loading=True)
+    if reference is not None:
+        check_has_reference(directory)
+    state = _sharded_state(policy, scheduler, is_loading=True, reference=reference)
     state["extra"] = {}
     loaded = dist_checkpointing.load(state, directory)
     policy.module.load_state_dict(loaded["model"])
     policy.optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded:
         scheduler.load_state_dict(loaded["scheduler"])
+    if reference is not None:
+        prefix = REFERENCE_KEY + "."
+        reference.load_state_dict({k.removeprefix(prefix): v for k, v in loaded[REFERENCE_KEY].items()})
     return loaded.get("extra", {})
 
+
+def check_has_reference(directory: str) -> None:
+    """A run whose reference is the policy RL started from can resume only from a checkpoint that saved it."""
+    from megatron.core import dist_checkpointing
+
+    if not dist_checkpointing.load_common_state_dict(directory).get("has_reference"):
+        raise ValueError(f"--load: checkpoint {directory!r} holds no reference model (it was saved without "
+                         "--kl-coef), and the default reference, the policy as RL began, cannot be restored: pass "
+                         "--ref-load, or resume with --kl-coef 0")

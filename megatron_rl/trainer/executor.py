@@ -2,8 +2,8 @@
 
 Rank 0 (where the controller also runs) calls `command(name, payload)`: the command is broadcast to the other
 trainer ranks, which wait for commands in `serve()`, and all of them execute it through one table of handlers
-(train, sft, publish, save, load). Commands are collective: Megatron's schedules, DDP and the optimizer run on
-every trainer rank at once.
+(train, sft, publish, save, load, and for a KL penalty snapshot_reference and ref_logprobs). Commands are
+collective: Megatron's schedules, DDP and the optimizer run on every trainer rank at once.
 
 DDMA sends are posted in the background after each optimizer step ("publish") and waited for just before the
 next optimizer step changes the parameters, so the trainer computes the next batch's forward and backward while
@@ -51,15 +51,30 @@ class TrainerExecutor:
                                          args.lr_wsd_decay_iters, args.lr_wsd_decay_style)
         self.rl_algo = AlgorithmConfig(loss=args.loss, rho=args.aipo_rho, clip_eps=args.ppo_clip_eps,
                                        aggregation=args.loss_aggregation, kl_coef=args.kl_coef,
+                                       kl_estimator=args.kl_loss_type, kl_in_reward=args.use_kl_in_reward,
                                        entropy_coef=args.entropy_coef, temperature=args.rollout_temperature)
         self.sft_algo = AlgorithmConfig(loss="sft")
-        self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler)
+        self.reference = self._build_reference(policy)
+        self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler, self.reference)
         self.plan = setup.plan()
         self.transport = make_transport(roles)
         self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
         self.handlers: dict[str, Callable[[Any], Any]] = {
             "train": self._train, "sft": self._sft, "publish": self._publish, "save": self._save, "load": self._load,
+            "snapshot_reference": self._snapshot_reference, "ref_logprobs": self._ref_logprobs,
         }
+
+    def _build_reference(self, policy):
+        """The frozen reference model of --kl-coef (None without a KL penalty): --ref-load's weights, or (set by
+        "snapshot_reference" or a resumed checkpoint) the policy's when RL begins."""
+        if not self.args.kl_coef:
+            return None
+        from megatron_rl.trainer.reference import ReferenceModel
+
+        reference = ReferenceModel(policy)
+        if self.args.ref_load:
+            reference.load(self.args.ref_load)
+        return reference
 
     def command(self, name: str, payload=None):
         """Trainer rank 0: run a command on every trainer rank; returns this rank's result."""
@@ -112,6 +127,18 @@ class TrainerExecutor:
             group["lr"] = lr
         return self.trainer.train_step(batch, before_update=self._finish_publish)
 
+    def _snapshot_reference(self, _payload) -> None:
+        """The default reference: a copy of the policy's current weights (sent right before the first RL step)."""
+        if self.reference is None or self.args.ref_load:
+            raise ValueError("snapshot_reference: the run has no default reference (it needs --kl-coef > 0 and no "
+                             "--ref-load)")
+        self.reference.copy_from(self.trainer.policy)
+
+    def _ref_logprobs(self, batch):
+        """The reference model's log-probs of `batch` [N, L-1] on every rank (for --use-kl-in-reward)."""
+        self.trainer.algo = self.rl_algo  # the RL temperature
+        return self.trainer.compute_logprobs(batch, reference=True)
+
     def _publish(self, version: int) -> None:
         """Post this rank's DDMA sends of the current weights as `version`, without waiting for them."""
         params = {n: p.detach() for n, p in self.trainer.policy.module.named_parameters()}
@@ -124,12 +151,17 @@ class TrainerExecutor:
 
         checkpointing.save_rng(directory, dist.get_rank())
         dist.barrier()
-        save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler)
+        save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler,
+                                reference=None if self.reference is None else self.reference.module)
 
     def _load(self, directory: str) -> None:
         from megatron_rl.trainer.checkpoint import load_trainer_checkpoint
 
-        load_trainer_checkpoint(self.trainer.policy, directory, self.scheduler)
+        restore_reference = self.reference is not None and not self.args.ref_load  # --ref-load is read at start
+        load_trainer_checkpoint(self.trainer.policy, directory, self.scheduler,
+                                reference=self.reference.module if restore_reference else None)
+        if restore_reference:
+            self.reference.restored()
         checkpointing.load_rng(directory, dist.get_rank())
 
     def param_checksum(self) -> float:

@@ -97,7 +97,7 @@ def _finalize_model_grads(model, num_tokens=None, **kwargs):
 
 
 def run_microbatches(
-    policy: Policy,
+    policy: Policy | torch.nn.Module,
     microbatches: list[dict[str, torch.Tensor]],
     loss_fn: Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]],
     *,
@@ -105,10 +105,11 @@ def run_microbatches(
 ) -> list[dict[str, Any]]:
     """Run forward (and backward) over equal-shape micro-batches with Megatron's schedule.
 
-    Each micro-batch holds `input_ids` [b, s] and whatever `loss_fn` needs. `loss_fn(logits, mb)` gets this
-    rank's vocab-parallel logits [b, s, V/TP] on the last pipeline stage and returns (loss, metrics) with
-    `loss` normalized globally (see the module docstring). Returns the metrics of each micro-batch on the
-    last stage (empty elsewhere).
+    `policy`: the policy (its DDP model runs), or a bare model shard of the same layout run forward-only (the
+    frozen reference policy). Each micro-batch holds `input_ids` [b, s] and whatever `loss_fn` needs.
+    `loss_fn(logits, mb)` gets this rank's vocab-parallel logits [b, s, V/TP] on the last pipeline stage and
+    returns (loss, metrics) with `loss` normalized globally (see the module docstring). Returns the metrics of
+    each micro-batch on the last stage (empty elsewhere).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -135,12 +136,27 @@ def run_microbatches(
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(microbatches),
-        model=[policy.model],
+        model=[policy.model if isinstance(policy, Policy) else policy],
         num_microbatches=num_mb,
         seq_length=seq_length,
         micro_batch_size=mbs,
         forward_only=forward_only,
     )
+
+
+@torch.no_grad()
+def forward_logprobs(policy: Policy | torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], vocab_size: int,
+                     temperature: float) -> list[torch.Tensor]:
+    """Log-probs of each micro-batch's tokens[:, 1:] ([b, s-1], temperature-scaled as in training) under `policy`
+    (the policy, or the frozen reference model), forward-only through Megatron's schedule: one tensor per
+    micro-batch on the last pipeline stage, none elsewhere."""
+    from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
+
+    def fn(logits, mb):
+        lp, _ = token_logprobs_and_entropy(logits[:, :-1], mb["tokens"][:, 1:], vocab_size, temperature)
+        return logits.sum() * 0, {"logprobs": lp}
+
+    return [out["logprobs"] for out in run_microbatches(policy, microbatches, fn, forward_only=True)]
 
 
 def grads_finite(policy: Policy) -> bool:

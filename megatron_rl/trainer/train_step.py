@@ -19,7 +19,8 @@ from megatron_rl import algorithms
 from megatron_rl.algorithms import AlgorithmConfig
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
-from megatron_rl.trainer.policy import Policy, optimizer_step, run_microbatches
+from megatron_rl.trainer.policy import Policy, forward_logprobs, optimizer_step, run_microbatches
+from megatron_rl.trainer.reference import ReferenceModel
 
 
 def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch.Tensor], vocab_size: int,
@@ -32,10 +33,13 @@ def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch
     loss = algorithms.LOSSES[algo.loss].compute(
         algorithms.LossInputs(logprobs, blp, mb["advantages"], mask, aggregation), algo)
     stats: dict[str, Any] = {"pg_loss": loss.detach()}
-    if algo.kl_coef and "ref_logprobs" in mb:
+    if algo.kl_coef:
+        if "ref_logprobs" not in mb:
+            raise ValueError("kl_coef is set but the micro-batch has no reference log-probs (ref_logprobs)")
         kl = algorithms.aggregate(algorithms.kl_penalty(logprobs, mb["ref_logprobs"], mask, algo.kl_estimator),
                                   mask, **aggregation)
-        loss = loss + algo.kl_coef * kl
+        if not algo.kl_in_reward:  # in the reward, the KL already shaped the advantages: here it is only reported
+            loss = loss + algo.kl_coef * kl
         stats["kl_ref"] = kl.detach()
     ent = algorithms.aggregate(entropy, mask, **aggregation)
     if algo.entropy_coef:
@@ -46,10 +50,13 @@ def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch
 
 
 class PolicyTrainer:
-    """Trains the policy with an RL loss. Every trainer rank calls `train_step` with the same batch."""
+    """Trains the policy with an RL loss. Every trainer rank calls `train_step` with the same batch. With a KL
+    penalty (`algo.kl_coef`), `reference` is the frozen reference model whose log-probs it needs."""
 
-    def __init__(self, policy: Policy, algo: AlgorithmConfig, micro_batch_size: int = 1, scheduler=None):
+    def __init__(self, policy: Policy, algo: AlgorithmConfig, micro_batch_size: int = 1, scheduler=None,
+                 reference: ReferenceModel | None = None):
         self.policy, self.algo, self.micro_batch_size, self.scheduler = policy, algo, micro_batch_size, scheduler
+        self.reference = reference
         self.step = 0
 
     def _microbatches(self, batch: TrainBatch) -> list[dict[str, torch.Tensor]]:
@@ -82,7 +89,10 @@ class PolicyTrainer:
         start = time.perf_counter()
         normalizer = algorithms.AGGREGATIONS[self.algo.aggregation].global_normalizer(batch.loss_mask)
         vocab = self.policy.spec.vocab_size
-        stats = run_microbatches(self.policy, self._microbatches(batch),
+        microbatches = self._microbatches(batch)
+        if self.algo.kl_coef and batch.ref_logprobs is None:
+            self._add_reference_logprobs(microbatches)
+        stats = run_microbatches(self.policy, microbatches,
                                  lambda logits, mb: policy_loss(self.algo, logits, mb, vocab, normalizer))
         if before_update is not None:
             before_update()
@@ -98,6 +108,17 @@ class PolicyTrainer:
         metrics.update(step, lr=self.policy.optimizer.param_groups[0]["lr"], step_time_s=elapsed,
                        trained_tokens=int(batch.loss_mask.sum()), tokens_per_s=int(batch.loss_mask.sum()) / elapsed)
         return metrics
+
+    def _add_reference_logprobs(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
+        """The reference model's log-probs of each micro-batch, as its "ref_logprobs" (on the policy's device,
+        on the last pipeline stage, where the loss is computed): a forward-only pass before the policy's."""
+        if self.reference is None:
+            raise ValueError(f"kl_coef {self.algo.kl_coef} needs a reference model, and the trainer has none")
+        ref = self.reference.logprobs(microbatches, self.algo.temperature)
+        if ref and len(ref) != len(microbatches):
+            raise RuntimeError(f"the reference gave log-probs for {len(ref)} of {len(microbatches)} micro-batches")
+        for mb, lp in zip(microbatches, ref):
+            mb["ref_logprobs"] = lp
 
     def _reduce_stats(self, stats: list[dict[str, Any]]) -> dict[str, float]:
         from megatron.core import parallel_state as ps
@@ -122,18 +143,19 @@ class PolicyTrainer:
         return out
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Log-probs of tokens[:, 1:] under the current policy, [N, L-1], on every trainer rank."""
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """Log-probs of tokens[:, 1:] under the current policy (or, with `reference`, the reference model),
+        [N, L-1], on every trainer rank (on the host: gathered as Python objects)."""
         from megatron.core import parallel_state as ps
 
-        vocab = self.policy.spec.vocab_size
-
-        def fn(logits, mb):
-            lp, _ = token_logprobs_and_entropy(logits[:, :-1], mb["tokens"][:, 1:], vocab, self.algo.temperature)
-            return logits.sum() * 0, {"logprobs": lp}
-
-        out = run_microbatches(self.policy, self._microbatches(batch), fn, forward_only=True)
-        local = torch.cat([o["logprobs"] for o in out]).cpu() if out else None
+        microbatches = self._microbatches(batch)
+        if reference:
+            if self.reference is None:
+                raise ValueError("reference log-probs need a reference model (--kl-coef), and the trainer has none")
+            out = self.reference.logprobs(microbatches, self.algo.temperature)
+        else:
+            out = forward_logprobs(self.policy, microbatches, self.policy.spec.vocab_size, self.algo.temperature)
+        local = torch.cat(out).cpu() if out else None
         local = _share_from_last_stage(local)
         gathered: list[Any] = [None] * ps.get_data_parallel_world_size()
         dist.all_gather_object(gathered, local, group=ps.get_data_parallel_group())
