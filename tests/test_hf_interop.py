@@ -1,8 +1,10 @@
 """HF <-> Megatron conversion: real sizes, bit-identical round trips, logits equal to `transformers`, and
-clean errors for checkpoints that do not match their config.
+clean errors for checkpoints that do not match their config; an RL-trained policy exported to HF (from its RL
+checkpoint, and streamed during the run) and runs started from Megatron checkpoints (--load-megatron).
 
-Logit tolerance: 2e-5 absolute in fp32 (Megatron and transformers order the attention and MLP reductions
-differently, ~1e-7 per op; a layout error moves logits by > 1e-2)."""
+Logit tolerance: 2e-5 absolute in fp32, on logits of magnitude ~0.1-1 (Megatron and transformers order the attention
+and MLP reductions differently, and TP=2 splits each row-parallel matmul into two partial sums added by an
+all-reduce: ~1e-7 per op; a layout error moves logits by > 1e-2)."""
 
 import json
 import os
