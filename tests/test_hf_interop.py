@@ -338,3 +338,15 @@ def test_run_start_checks_of_load_megatron(rl_trained, tmp_path, capsys):
     assert code == 2 and "the checkpoint's model has num_layers 2, this run's is 4" in err, err
     code, err = _dry_run(capsys, "--load-megatron", save, "--transformer-impl", "transformer_engine")
     assert code == 2 and "saved with --transformer-impl local, this run uses transformer_engine" in err, err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--load-hf", "a", "--load-megatron", "b"], "--load-hf and --load-megatron both give the initial weights"),
+    (["--save-hf-interval", "-1"], "--save-hf-interval must be >= 0, got -1"),
+])
+def test_export_and_initial_weight_flags_are_checked(flags, message, capsys):
+    from megatron_rl.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert message in capsys.readouterr().err
