@@ -2,7 +2,7 @@
 tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py.
 
 A Megatron checkpoint directory written here holds `megatron_rl.json` (the HF config, the trainer layout and
-the format) and the weights in one of two formats:
+the format) and the weights in one of these formats:
 
 - `safetensors` (default): one file per model-parallel rank, `mp_rank_{TP:02d}_{PP:03d}.safetensors`, with
   Megatron's parameter names (local or Transformer-Engine, as the layout says) and fused layouts. Written and
@@ -14,6 +14,8 @@ the format) and the weights in one of two formats:
 
 `MegatronCheckpoint` serves any HF tensor slice out of the per-rank files (the segments of the layout say
 where each HF row lives), so exporting to HF and loading at another TP/PP are the same operation.
+A trainer starts from any of them at any TP/PP (`load_megatron_weights`): per-rank files are read as HF slices,
+a distributed checkpoint is resharded by Megatron-Core.
 Directories are written under a temporary name and renamed when complete: an interrupted conversion never
 leaves a directory that looks valid.
 """

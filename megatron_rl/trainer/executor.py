@@ -63,8 +63,8 @@ class TrainerExecutor:
                                        entropy_coef=args.entropy_coef, temperature=args.rollout_temperature)
         self.sft_algo = AlgorithmConfig(loss="sft")
         self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler)
-        self.description = ModelDescription(spec, layout, next(policy.module.parameters()).dtype, setup.tokenizer,
-                                            generation_source(args))
+        self.description = ModelDescription(spec, layout, torch.bfloat16 if args.bf16 else torch.float32,
+                                            setup.tokenizer, generation_source(args))
         self.plan = setup.plan()
         self.transport = make_transport(roles)
         self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
