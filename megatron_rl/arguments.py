@@ -104,14 +104,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sft-batch-size", type=int, default=64)
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--load", help="resume from this megatron-rl checkpoint directory")
+    g.add_argument("--load", help="resume from this megatron-rl checkpoint directory (written by --save)")
     g.add_argument("--load-hf", help="initial policy weights from an HF checkpoint directory")
     g.add_argument("--ref-load",
                    help="with --kl-coef: the reference policy's weights, an HF checkpoint directory or a Megatron one "
                         "written by tools/convert_hf_to_megatron.py (safetensors format); default: the policy as RL "
                         "begins (after any --sft-warmup-iters), kept in RL checkpoints")
+    g.add_argument("--load-megatron", metavar="DIR",
+                   help="initial policy weights (a new run, not a resume) from a Megatron checkpoint: the output of "
+                        "tools/convert_hf_to_megatron.py (either format, any TP/PP), one iteration of an RL "
+                        "checkpoint, or an RL checkpoint directory (its latest iteration)")
     g.add_argument("--save", help="save checkpoints here")
     g.add_argument("--save-interval", type=int, default=0)
+    g.add_argument("--save-hf", metavar="DIR",
+                   help="write the policy as HF checkpoints DIR/iter_NNNNNNN/ (config, safetensors, tokenizer, "
+                        "generation config) at the end of the run and every --save-hf-interval steps "
+                        "(default DIR with --save-hf-interval: <output-dir>/hf)")
+    g.add_argument("--save-hf-interval", type=int, default=0, help="steps between HF exports (0: only at the end)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--output-dir", default=os.environ.get("OUTPUT_DIR", "outputs/run"),
@@ -387,6 +396,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--eval-n-samples must be >= 1, --eval-interval >= 0 and --eval-temperature >= 0")
     if args.save_interval and not args.save:
         parser.error("--save-interval needs --save")
+    if args.load_hf and args.load_megatron:
+        parser.error("--load-hf and --load-megatron both give the initial weights: pass one")
+    if args.save_hf_interval < 0:
+        parser.error(f"--save-hf-interval must be >= 0, got {args.save_hf_interval}")
     if args.rollout_backend == "sglang":
         if args.rollout_server_urls and len(args.rollout_server_urls) != args.rollout_num_replicas:
             parser.error(f"--rollout-server-urls has {len(args.rollout_server_urls)} URL(s) for "

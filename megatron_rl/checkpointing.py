@@ -1,8 +1,10 @@
 """The RL checkpoint directory (Megatron's layout): `iter_NNNNNNN/` per saved step, holding the trainer's
 dist checkpoint, per-rank RNG states (`rng/rankNNNNN.pt`) and the controller's `rl_state.json`, and the tracker
 `latest_checkpointed_iteration.txt`, which moves last, so a crash at any point of a save leaves the previous
-checkpoint the latest. Also: the start-up check of a `--load` directory, cutting the run's JSONL logs back to
-the resumed step."""
+checkpoint the latest. Each iteration also describes its model (`megatron_rl.json`, the tokenizer and
+generation config, written by the trainer's "save"), so that it can be exported to HF or started from as a
+Megatron checkpoint of weights. Also: the start-up checks of a `--load` (resume) and a `--load-megatron` (initial
+weights) directory, and cutting the run's JSONL logs back to the resumed step."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from megatron_rl import failpoints
+from megatron_rl.conversion import DIST_CHECKPOINTS, META_FILE, MegatronCheckpoint, read_meta
 from megatron_rl.models.spec import ModelSpec
 
 TRACKER_FILE, RL_STATE_FILE = "latest_checkpointed_iteration.txt", "rl_state.json"
@@ -51,17 +54,56 @@ def iteration_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"iter_{step:07d}")
 
 
-def latest_checkpoint_step(directory: str) -> int:
+def latest_checkpoint_step(directory: str, flag: str = "--load") -> int:
     tracker = os.path.join(directory, TRACKER_FILE)
     try:
         with open(tracker) as f:
             text = f.read().strip()
     except OSError:
-        raise ValueError(f"--load {directory!r}: no {TRACKER_FILE} (not a checkpoint directory of this project)") \
+        if os.path.isfile(os.path.join(directory, META_FILE)):
+            raise ValueError(f"{flag} {directory!r}: no {TRACKER_FILE}: this is a Megatron checkpoint of weights "
+                             f"only ({META_FILE}, no RL state to resume); start a new run from it with "
+                             "--load-megatron") from None
+        raise ValueError(f"{flag} {directory!r}: no {TRACKER_FILE} (not a checkpoint directory of this project)") \
             from None
     if not text.isdigit():
-        raise ValueError(f"--load {directory!r}: {TRACKER_FILE} holds {text[:40]!r}, not a step number")
+        raise ValueError(f"{flag} {directory!r}: {TRACKER_FILE} holds {text[:40]!r}, not a step number")
     return int(text)
+
+
+def saved_iterations(directory: str) -> list[int]:
+    """The steps of the complete iterations in an RL checkpoint directory (a `.partial` one is not complete)."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(int(n[5:]) for n in names if n.startswith("iter_") and n[5:].isdigit())
+
+
+def weights_directory(directory: str, iteration: int | None = None, flag: str = "--load") -> str:
+    """The directory whose `megatron_rl.json` describes the weights to read: in an RL checkpoint directory (the
+    tracker, written by --save), the iteration `iteration` or else the latest; a Megatron checkpoint of weights
+    (`megatron_rl.json`: tools/convert_hf_to_megatron.py's output, or one iteration of an RL checkpoint) is its
+    own. Errors name `flag` (and --iteration), both kinds of directory, and what is missing."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"{flag} {directory!r}: no such directory")
+    if os.path.isfile(os.path.join(directory, TRACKER_FILE)):
+        step = latest_checkpoint_step(directory, flag) if iteration is None else iteration
+        path = iteration_dir(directory, step)
+        if not os.path.isdir(path):
+            saved = ", ".join(map(str, saved_iterations(directory))) or "none"
+            which = f"--iteration {step}" if iteration is not None else f"{TRACKER_FILE} names step {step}, but"
+            raise ValueError(f"{which}: {flag} {directory!r} has no {os.path.basename(path)} (saved iterations: "
+                             f"{saved})")
+        if not os.path.isfile(os.path.join(path, META_FILE)):
+            raise ValueError(f"{flag} {directory!r}: {os.path.basename(path)} has no {META_FILE} (saved by a "
+                             "megatron-rl version that did not describe the model beside its weights)")
+        return path
+    if os.path.isfile(os.path.join(directory, META_FILE)):
+        if iteration is not None:
+            raise ValueError(f"--iteration {iteration}: {flag} {directory!r} is a Megatron checkpoint of one set of "
+                             f"weights ({META_FILE}), not an RL checkpoint with iterations; drop --iteration")
+        return directory
+    raise ValueError(f"{flag} {directory!r} is neither an RL checkpoint ({TRACKER_FILE} and iter_NNNNNNN/, "
+                     f"written by --save) nor a Megatron checkpoint of weights ({META_FILE}, written by "
+                     "tools/convert_hf_to_megatron.py or in each iteration of an RL checkpoint)")
 
 
 def read_rl_state(directory: str, step: int) -> dict:
@@ -106,6 +148,38 @@ def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, nee
 
         check_has_reference(path)
     return step
+
+
+def check_initial_weights(directory: str, spec: ModelSpec, transformer_impl: str,
+                          flag: str = "--load-megatron") -> str:
+    """The start-up check of a run's initial weights from a Megatron checkpoint (of weights, or an RL checkpoint's
+    latest iteration): the model in it is this run's, its files are there, and a distributed checkpoint (whose
+    keys follow the layer spec) was saved with this run's --transformer-impl. Returns the weights' directory."""
+    path = weights_directory(directory, flag=flag)
+    meta = read_meta(path, flag)
+    try:
+        saved = ModelSpec.from_hf_config(meta["hf_config"]).weight_fields()
+    except ValueError as e:
+        raise ValueError(f"{flag} {directory!r}: {META_FILE}'s hf_config: {e}") from None
+    for field, value in spec.weight_fields().items():
+        if saved.get(field) != value:
+            raise ValueError(f"{flag} {directory!r}: the checkpoint's model has {field} {saved.get(field)}, this "
+                             f"run's is {value} (model {spec.name!r})")
+    if meta["format"] in DIST_CHECKPOINTS:
+        saved_impl = meta.get("transformer_impl", "local")
+        if saved_impl != transformer_impl:
+            raise ValueError(f"{flag} {directory!r}: the checkpoint was saved with --transformer-impl {saved_impl}, "
+                             f"this run uses {transformer_impl}")
+        dist_dir = os.path.join(path, DIST_CHECKPOINTS[meta["format"]][0])
+        if not os.path.isfile(os.path.join(dist_dir, "metadata.json")):
+            raise ValueError(f"{flag} {directory!r}: {dist_dir} is not a complete distributed checkpoint "
+                             "(no metadata.json)")
+    else:
+        try:
+            MegatronCheckpoint(path, flag)  # reads each rank file's header: a missing or foreign file fails here
+        except (FileNotFoundError, KeyError) as e:
+            raise ValueError(f"{flag} {directory!r}: {e}") from None
+    return path
 
 
 def write_durably(path: str, text: str) -> None:

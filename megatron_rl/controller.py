@@ -171,6 +171,16 @@ class Controller:
         print(f"resumed at step {step}: {self.buffer.pending()} buffered rollouts kept, "
               f"{sum(map(len, lost.values()))} in-flight samples of {len(lost)} prompts generated again", flush=True)
 
+    def hf_export_dir(self) -> str:
+        return self.args.save_hf or os.path.join(self.args.output_dir, "hf")
+
+    def hf_export_due(self, step: int) -> bool:
+        """HF exports (--save-hf, --save-hf-interval): every interval, and at the last step."""
+        interval = self.args.save_hf_interval
+        if not (self.args.save_hf or interval):
+            return False
+        return step == self.args.train_iters or bool(interval and step % interval == 0)
+
     # ---- phases ---------------------------------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, dict]:
         """Every evaluation set under the current weights: set name -> figures (`evaluation.summarize`)."""
@@ -301,6 +311,8 @@ class Controller:
                 checkpointing.save_rl_checkpoint(args.save, step, self.trainer,
                                                  {"model": self.spec.weight_fields(), **self.state_dict(),
                                                   "transformer_impl": self.layout.transformer_impl})
+            if self.hf_export_due(step):
+                self.trainer.command("save_hf", checkpointing.iteration_dir(self.hf_export_dir(), step))
             progress.update(step, console_fields(metrics))
         progress.close()
         write_json(os.path.join(args.output_dir, "eval.json"), {

@@ -2,16 +2,20 @@
 tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py.
 
 A Megatron checkpoint directory written here holds `megatron_rl.json` (the HF config, the trainer layout and
-the format) and the weights in one of two formats:
+the format) and the weights in one of these formats:
 
 - `safetensors` (default): one file per model-parallel rank, `mp_rank_{TP:02d}_{PP:03d}.safetensors`, with
   Megatron's parameter names (local or Transformer-Engine, as the layout says) and fused layouts. Written and
   read one tensor at a time.
 - `torch_dist`: Megatron-Core's distributed checkpoint (`dist_checkpointing`, directory `torch_dist/`),
   written by TP x PP real ranks; any TP/PP layout can load it.
+- `rl`: an iteration of an RL run's checkpoint (`iter_NNNNNNN/`): the trainer's distributed checkpoint in the
+  directory itself, the model under key "model" beside the optimizer and scheduler (only the model is read).
 
 `MegatronCheckpoint` serves any HF tensor slice out of the per-rank files (the segments of the layout say
 where each HF row lives), so exporting to HF and loading at another TP/PP are the same operation.
+A trainer starts from any of them at any TP/PP (`load_megatron_weights`): per-rank files are read as HF slices,
+a distributed checkpoint is resharded by Megatron-Core.
 Directories are written under a temporary name and renamed when complete: an interrupted conversion never
 leaves a directory that looks valid.
 """
@@ -33,7 +37,11 @@ from megatron_rl.models.safetensors_io import HFCheckpoint, SafetensorsFile, aux
 from megatron_rl.models.spec import ModelSpec
 
 META_FILE = "megatron_rl.json"
-FORMATS = ("safetensors", "torch_dist")
+FORMATS = ("safetensors", "torch_dist")  # what the HF -> Megatron converter writes
+RL_FORMAT = "rl"
+# Formats held as a Megatron-Core distributed checkpoint: its directory (relative) and the key of the model's
+# sharded state dict in it (None: the model's state dict is the checkpoint's top level).
+DIST_CHECKPOINTS = {"torch_dist": ("torch_dist", None), RL_FORMAT: ("", "model")}
 
 
 def rank_file(tp_rank: int, pp_rank: int) -> str:
@@ -109,8 +117,6 @@ def hf_to_megatron(hf_dir: str, save: str, layout: L.TrainerLayout = L.TrainerLa
     layout = dataclasses.replace(layout, data_parallel_size=1)
     layout.validate(spec)
     dtype = validate_hf_checkpoint(spec, ckpt)
-    meta = {"format": megatron_format, "hf_config": ckpt.config, "dtype": str(dtype).removeprefix("torch."),
-            **{f: getattr(layout, f) for f in LAYOUT_FIELDS}}
     with atomic_directory(save, overwrite) as out:
         if megatron_format == "safetensors":
             _write_rank_files(spec, layout, ckpt.get_slice, dtype, out, progress)
@@ -119,11 +125,48 @@ def hf_to_megatron(hf_dir: str, save: str, layout: L.TrainerLayout = L.TrainerLa
 
             run_on_ranks(_save_torch_dist_rank, layout.world_size, spec, layout,
                          hf_dir, os.path.join(out, "torch_dist"), dtype, timeout_s=3600)
-        for name in auxiliary_files(hf_dir):
+        copied = list(auxiliary_files(hf_dir))
+        for name in copied:
             shutil.copy2(os.path.join(hf_dir, name), os.path.join(out, name))
-        with open(os.path.join(out, META_FILE), "w") as f:
-            json.dump(meta, f, indent=2)
+        return write_meta(out, megatron_format, ckpt.config, dtype, layout, copied)
+
+
+def write_meta(directory: str, weights_format: str, hf_config: dict, dtype: torch.dtype, layout: L.TrainerLayout,
+               auxiliary: list[str]) -> dict:
+    """Write `megatron_rl.json`, which makes `directory` readable by `MegatronCheckpoint`: the weights' format,
+    the HF config of the model, their dtype, the trainer layout they are sharded in, and the files beside them
+    that an HF export copies (tokenizer, generation config). Returns what it wrote."""
+    meta = {"format": weights_format, "hf_config": hf_config, "dtype": str(dtype).removeprefix("torch."),
+            **{f: getattr(layout, f) for f in LAYOUT_FIELDS}, "auxiliary_files": sorted(auxiliary)}
+    with open(os.path.join(directory, META_FILE), "w") as f:
+        json.dump(meta, f, indent=2)
     return meta
+
+
+def read_meta(directory: str, flag: str = "--load") -> dict:
+    """`directory`'s megatron_rl.json, checked for the fields every reader needs; errors name `flag`."""
+    meta_path = os.path.join(directory, META_FILE)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag} {directory!r} is not a megatron-rl checkpoint ({META_FILE} missing)") \
+            from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{flag} {directory!r}: cannot read {META_FILE} ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{flag} {directory!r}: {META_FILE} is not a JSON object")
+    for field in ("format", "hf_config", "tensor_parallel_size", "pipeline_parallel_size", "dtype"):
+        if field not in meta:
+            raise ValueError(f"{flag} {directory!r}: {META_FILE} has no field {field!r}")
+    if meta["format"] not in ("safetensors", *DIST_CHECKPOINTS):
+        raise ValueError(f"{flag} {directory!r}: {META_FILE} names an unknown format {meta['format']!r}")
+    return meta
+
+
+def meta_layout(meta: dict) -> L.TrainerLayout:
+    """The trainer layout (data-parallel size 1) a checkpoint's weights are sharded in."""
+    return L.TrainerLayout(**{f: meta[f] for f in LAYOUT_FIELDS if f in meta})
 
 
 def _write_rank_files(spec, layout, get_slice, dtype, out, progress):
@@ -158,32 +201,36 @@ def _save_torch_dist_rank(spec, layout, hf_dir, directory, dtype):
 class MegatronCheckpoint:
     """A Megatron checkpoint written by this module, read as HF slices (any layout can be served)."""
 
-    def __init__(self, directory: str):
-        meta_path = os.path.join(directory, META_FILE)
-        if not os.path.exists(meta_path):
-            raise FileNotFoundError(f"--load {directory!r} is not a megatron-rl checkpoint ({META_FILE} missing)")
-        with open(meta_path) as f:
-            self.meta = json.load(f)
-        for field in ("format", "hf_config", "tensor_parallel_size", "pipeline_parallel_size", "dtype"):
-            if field not in self.meta:
-                raise ValueError(f"{meta_path}: field {field!r} is missing")
+    def __init__(self, directory: str, flag: str = "--load"):
+        self.meta = read_meta(directory, flag)
         self.directory = directory
         self.spec = ModelSpec.from_hf_config(self.meta["hf_config"])
-        self.layout = L.TrainerLayout(**{f: self.meta[f] for f in LAYOUT_FIELDS if f in self.meta})
+        self.layout = meta_layout(self.meta)
         self.dtype = getattr(torch, self.meta["dtype"])
         self._shards_dir = directory
         self._tmp: str | None = None
-        if self.meta["format"] == "torch_dist":
-            self._shards_dir = self._torch_dist_to_rank_files()
+        if self.meta["format"] in DIST_CHECKPOINTS:
+            self._shards_dir = self._dist_checkpoint_to_rank_files()
         self._index = self._build_index()
 
-    def _torch_dist_to_rank_files(self) -> str:
+    def auxiliary_files(self) -> list[str]:
+        """The files beside the weights that an HF export copies (tokenizer, generation config, ...)."""
+        if "auxiliary_files" in self.meta:
+            return list(self.meta["auxiliary_files"])
+        return list(auxiliary_files(self.directory))  # written before megatron_rl.json listed them
+
+    def _dist_checkpoint_to_rank_files(self) -> str:
+        """Per-rank safetensors files of the distributed checkpoint, written by the saved layout's ranks."""
         from megatron_rl.launch import run_on_ranks
 
+        subdir, key = DIST_CHECKPOINTS[self.meta["format"]]
         self._tmp = tempfile.mkdtemp(prefix="megatron_rl_export_")
-        run_on_ranks(_load_torch_dist_rank, self.layout.world_size,
-                     self.spec, self.layout, os.path.join(self.directory, "torch_dist"), self._tmp, self.dtype,
-                     timeout_s=3600)
+        try:
+            run_on_ranks(_load_torch_dist_rank, self.layout.world_size, self.spec, self.layout,
+                         os.path.join(self.directory, subdir), key, self._tmp, self.dtype, timeout_s=3600)
+        except BaseException:
+            self.close()
+            raise
         return self._tmp
 
     def close(self) -> None:
@@ -247,23 +294,51 @@ class MegatronCheckpoint:
         return torch.cat(parts, dim if parts[0].dim() > 1 else 0)
 
 
-def _load_torch_dist_rank(spec, layout, directory, out_dir, dtype):
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-
+def _load_torch_dist_rank(spec, layout, directory, key, out_dir, dtype):
     from megatron_rl.trainer import parallel
     from megatron_rl.trainer.model import build_gpt_model, transformer_config
 
     parallel.initialize(layout, spec)
     model = build_gpt_model(spec, layout, transformer_config(spec, layout, params_dtype=dtype))
-    state = dist_checkpointing.load(model.sharded_state_dict(), directory)
-    model.load_state_dict(state, strict=False)
-    params = dict(model.named_parameters())
-    entries = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
-    write_streaming(os.path.join(out_dir, rank_file(ps.get_tensor_model_parallel_rank(),
-                                                    ps.get_pipeline_model_parallel_rank())),
-                    entries, lambda n: params[n].detach())
+    load_dist_model(model, directory, key)
+    write_rank_file(model, out_dir)
     parallel.destroy()
+
+
+def load_dist_model(model: torch.nn.Module, directory: str, key: str | None = None) -> None:
+    """Collective over Megatron's ranks: this rank's shard of `model` from a Megatron-Core distributed checkpoint
+    saved under any TP/PP layout (the model's state under `key`, or at the top level); only the model is read."""
+    from megatron.core import dist_checkpointing
+
+    sharded = model.sharded_state_dict()
+    state = dist_checkpointing.load({key: sharded} if key else sharded, directory)
+    model.load_state_dict(state[key] if key else state, strict=False)
+
+
+def write_rank_file(model: torch.nn.Module, out_dir: str) -> str:
+    """This rank's parameters as `out_dir/mp_rank_TT_PPP.safetensors` (the `safetensors` format's file of its TP
+    and PP rank), one tensor at a time (a GPU tensor is copied to the host alone). Returns the path."""
+    from megatron.core import parallel_state as ps
+
+    params = dict(model.named_parameters())
+    path = os.path.join(out_dir, rank_file(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()))
+    write_streaming(path, [(n, tuple(p.shape), p.dtype) for n, p in params.items()],
+                    lambda n: params[n].detach().cpu())
+    return path
+
+
+def load_megatron_weights(model: torch.nn.Module, spec: ModelSpec, layout: L.TrainerLayout, directory: str) -> None:
+    """Collective over the trainer's ranks: this rank's shard of `model` (any TP/PP) from a Megatron checkpoint of
+    this module. Per-rank safetensors files are read as HF slices (`MegatronCheckpoint.get_slice`); a distributed
+    checkpoint is resharded by Megatron-Core itself (its keys follow the layer spec, which the run setup checks)."""
+    from megatron_rl.trainer.weights import load_hf_weights
+
+    meta = read_meta(directory)
+    if meta["format"] in DIST_CHECKPOINTS:
+        subdir, key = DIST_CHECKPOINTS[meta["format"]]
+        load_dist_model(model, os.path.join(directory, subdir), key)
+        return
+    load_hf_weights(model, spec, layout, MegatronCheckpoint(directory).get_slice)
 
 
 # ---- Megatron -> HF ---------------------------------------------------------------------------------------------
@@ -291,7 +366,7 @@ def megatron_to_hf(load: str, save: str, max_shard_bytes: int = 5 * 2**30, overw
                     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
             with open(os.path.join(out, "config.json"), "w") as f:
                 json.dump(ckpt.meta["hf_config"], f, indent=2)
-            for name in auxiliary_files(load):
+            for name in ckpt.auxiliary_files():
                 shutil.copy2(os.path.join(load, name), os.path.join(out, name))
         bar.close()
         return {"tensors": len(shapes), "files": len(files)}

@@ -3,7 +3,7 @@
 `build_run_setup(args, world_size)` loads the tokenizer and the model architecture, builds the trainer's and
 the generators' layouts from the flags and the world size, and validates them all: the layouts against the
 model, Megatron-Core's own TransformerConfig checks (uneven pipeline stages included), the DDMA plan between
-the two layouts, a `--load` checkpoint against the model, and the `--sglang-<flag>` server flags
+the two layouts, a `--load` or `--load-megatron` checkpoint against the model, and the `--sglang-<flag>` server flags
 (`rollout/sglang_flags.py`). `--dry-run` and a real launch call this same function, so whatever the dry run
 accepts the run accepts, and the other way round.
 """
@@ -189,7 +189,9 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     if args.kl_coef and args.ref_load:  # the reference's files and architecture, before any weight is built
         from megatron_rl.trainer.reference import check_reference_checkpoint
 
-        check_reference_checkpoint(args.ref_load, spec)
+        check_reference_checkpoint(args.ref_load, spec, trainer.transformer_impl)
+    if args.load_megatron:  # the initial weights: the model in them is this run's
+        checkpointing.check_initial_weights(args.load_megatron, spec, trainer.transformer_impl)
     sglang_flags = check_server_flags(args.sglang) if getattr(args, "sglang", None) else {}
     setup = RunSetup(args, tokenizer, spec, trainer, generator, sglang_flags)
     setup.stop_token_ids  # noqa: B018 - reads generation_config.json now: a bad one fails here, not mid-run

@@ -314,7 +314,7 @@ def test_a_bad_ref_load_fails_in_the_setup_naming_the_flag(tmp_path):
         _setup_with("--ref-load", other)
     (tmp_path / "torch_dist").mkdir()
     (tmp_path / "torch_dist" / "megatron_rl.json").write_text(json.dumps({"format": "torch_dist"}))
-    with pytest.raises(ValueError, match=r"--ref-load .*: a Megatron checkpoint of format 'torch_dist'"):
+    with pytest.raises(ValueError, match=r"--ref-load .*: megatron_rl.json has no field 'hf_config'"):
         _setup_with("--ref-load", str(tmp_path / "torch_dist"))
     tiny = get_model_spec("tiny-llama")
     good = tmp_path / "good"

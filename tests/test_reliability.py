@@ -44,7 +44,7 @@ def crashed_and_resumed(tmp_path_factory):
     base = tmp_path_factory.mktemp("crash")
     out, ckpt = base / "out", base / "ckpt"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
-    save = ("--save", str(ckpt), "--save-interval", "2")
+    save = ("--save", str(ckpt), "--save-interval", "2", "--save-hf-interval", "4")  # HF export: out/hf/iter_N
     _crash(out, "checkpoint-saved:4", *save)  # killed right after the step-4 checkpoint became the latest
     assert tracker.read_text() == "4"
     state_at_4 = json.loads((ckpt / "iter_0000004" / "rl_state.json").read_text())
@@ -137,6 +137,33 @@ def test_malformed_configs_are_named(tmp_path, capsys, content, message):
     path.write_text(content)
     code, err = _train_cli(capsys, "--config", str(path), "--dry-run")
     assert code == 2 and message in err, err
+
+
+def test_the_rl_checkpoint_exports_to_hf_as_the_run_exported_it(crashed_and_resumed, tmp_path):
+    """tools/convert_megatron_to_hf.py on the run's RL checkpoint: its latest iteration (the trainer's distributed
+    checkpoint, read by TP x PP processes) equals bit for bit the HF export the run streamed from its trainer at
+    that step (--save-hf-interval); --iteration 4 is an earlier policy. Both load with `transformers`."""
+    import sys
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    out = crashed_and_resumed[0]
+    exports = {}
+    for name, extra in (("latest", []), ("iter4", ["--iteration", "4"])):
+        r = subprocess.run([sys.executable, "tools/convert_megatron_to_hf.py", "--load", str(out.parent / "ckpt"),
+                            "--save", str(tmp_path / name), "--no-progress", *extra],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        exports[name] = load_file(tmp_path / name / "model.safetensors")
+    streamed = load_file(out / "hf" / "iter_0000008" / "model.safetensors")
+    assert exports["latest"].keys() == streamed.keys()
+    assert all(torch.equal(exports["latest"][n], streamed[n]) for n in streamed)
+    assert any(not torch.equal(exports["iter4"][n], streamed[n]) for n in streamed)
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "latest")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "latest")
+    assert tokenizer.decode(tokenizer.encode("12+3=15", add_special_tokens=False)) == "12+3=15"
 
 
 @pytest.fixture

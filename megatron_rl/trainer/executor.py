@@ -2,7 +2,7 @@
 
 Rank 0 (where the controller also runs) calls `command(name, payload)`: the command is broadcast to the other
 trainer ranks, which wait for commands in `serve()`, and all of them execute it through one table of handlers
-(train, sft, publish, save, load, and for a KL penalty snapshot_reference and ref_logprobs). Commands are
+(train, sft, publish, save, load, save_hf, and for a KL penalty snapshot_reference and ref_logprobs). Commands are
 collective: Megatron's schedules, DDP and the optimizer run on every trainer rank at once.
 
 DDMA sends are posted in the background after each optimizer step ("publish") and waited for just before the
@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 from megatron_rl import checkpointing
 from megatron_rl.algorithms import AlgorithmConfig
+from megatron_rl.conversion import RL_FORMAT
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
 from megatron_rl.roles import Roles
 from megatron_rl.run_setup import RunSetup
+from megatron_rl.trainer.export import ModelDescription, generation_source, save_hf
 
 
 class TrainerExecutor:
@@ -42,6 +44,14 @@ class TrainerExecutor:
 
             reader = HFCheckpoint(args.load_hf)
             init = lambda m: load_hf_weights(m, spec, layout, reader.get_slice)  # noqa: E731
+        elif args.load_megatron:
+            from megatron_rl.conversion import load_megatron_weights
+
+            weights = checkpointing.weights_directory(args.load_megatron, flag="--load-megatron")
+            if roles.is_controller:
+                print(f"[megatron-rl] --load-megatron {args.load_megatron}: initial weights from {weights} (a new "
+                      "run, not a resume: no RL state is read)", flush=True)
+            init = lambda m: load_megatron_weights(m, spec, layout, weights)  # noqa: E731
         policy = build_policy(spec, layout, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                               clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                               adam_eps=args.adam_eps, bf16=args.bf16,
@@ -56,12 +66,15 @@ class TrainerExecutor:
         self.sft_algo = AlgorithmConfig(loss="sft")
         self.reference = self._build_reference(policy)
         self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler, self.reference)
+        self.description = ModelDescription(spec, layout, torch.bfloat16 if args.bf16 else torch.float32,
+                                            setup.tokenizer, generation_source(args))
         self.plan = setup.plan()
         self.transport = make_transport(roles)
         self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
         self.handlers: dict[str, Callable[[Any], Any]] = {
             "train": self._train, "sft": self._sft, "publish": self._publish, "save": self._save, "load": self._load,
             "snapshot_reference": self._snapshot_reference, "ref_logprobs": self._ref_logprobs,
+            "save_hf": self._save_hf,
         }
 
     def _build_reference(self, policy):
@@ -153,6 +166,12 @@ class TrainerExecutor:
         dist.barrier()
         save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler,
                                 reference=None if self.reference is None else self.reference.module)
+        if dist.get_rank() == 0:  # the model beside its weights: the iteration exports to HF on its own
+            self.description.write(directory, RL_FORMAT)
+
+    def _save_hf(self, directory: str) -> None:
+        """Write the policy as an HF checkpoint in `directory` (streamed: see `trainer.export.save_hf`)."""
+        save_hf(self.trainer.policy.module, self.description, directory)
 
     def _load(self, directory: str) -> None:
         from megatron_rl.trainer.checkpoint import load_trainer_checkpoint

@@ -3,24 +3,20 @@ layout (the same TP / PP shard on every trainer rank, on the policy's device, in
 no gradients and no optimizer: it only runs forward, through the same Megatron schedule and micro-batches as the
 policy, so its log-probs line up with the policy's token for token.
 
-Its weights come from --ref-load (an HF checkpoint directory, or a Megatron one written by the converter in the
-safetensors format), or by default from the policy itself when RL begins (`copy_from`, after any supervised
-warm-up). RL checkpoints store them, so a resumed run keeps the reference it started with.
+Its weights come from --ref-load (an HF checkpoint directory, or Megatron weights as --load-megatron reads
+them), or by default from the policy itself when RL begins (`copy_from`, after any supervised warm-up). RL
+checkpoints store them, so a resumed run keeps the reference it started with.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 
 import torch
 
-from megatron_rl.models import layout as L
 from megatron_rl.models.spec import ModelSpec
 from megatron_rl.trainer.policy import Policy, forward_logprobs
-
-MEGATRON_META_FILE = "megatron_rl.json"  # conversion.META_FILE, read here without importing the converter
 
 
 class ReferenceModel:
@@ -42,7 +38,15 @@ class ReferenceModel:
         """Read the weights of --ref-load `directory` (checked at start-up by `check_reference_checkpoint`)."""
         from megatron_rl.trainer.weights import load_hf_weights
 
-        load_hf_weights(self.module, self.spec, self.layout, reference_reader(directory))
+        if _is_hf_directory(directory):
+            from megatron_rl.models.safetensors_io import HFCheckpoint
+
+            load_hf_weights(self.module, self.spec, self.layout, HFCheckpoint(directory).get_slice)
+        else:
+            from megatron_rl.checkpointing import weights_directory
+            from megatron_rl.conversion import load_megatron_weights
+
+            load_megatron_weights(self.module, self.spec, self.layout, weights_directory(directory, flag="--ref-load"))
         self.source = f"--ref-load {directory}"
 
     @torch.no_grad()
@@ -65,44 +69,33 @@ class ReferenceModel:
         return forward_logprobs(self.module, microbatches, self.spec.vocab_size, temperature)
 
 
-def reference_reader(directory: str) -> Callable[[L.Segment, int], torch.Tensor]:
-    """The `get_slice` of a --ref-load directory: a Megatron checkpoint (megatron_rl.json) or an HF one."""
-    if os.path.isfile(os.path.join(directory, MEGATRON_META_FILE)):
-        from megatron_rl.conversion import MegatronCheckpoint
+def _is_hf_directory(directory: str) -> bool:
+    """An HF checkpoint (config.json), not a Megatron one (megatron_rl.json) nor an RL checkpoint (the tracker)."""
+    from megatron_rl.checkpointing import META_FILE, TRACKER_FILE
 
-        return MegatronCheckpoint(directory).get_slice
-    from megatron_rl.models.safetensors_io import HFCheckpoint
-
-    return HFCheckpoint(directory).get_slice
+    return os.path.isfile(os.path.join(directory, "config.json")) and not any(
+        os.path.isfile(os.path.join(directory, name)) for name in (META_FILE, TRACKER_FILE))
 
 
-def check_reference_checkpoint(directory: str, spec: ModelSpec) -> None:
+def check_reference_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str) -> None:
     """Everything about --ref-load that can be checked before any weight exists: the directory holds an HF
-    checkpoint (config.json and every tensor of the model, right shapes) or a Megatron checkpoint of the
-    converter's safetensors format, of the same architecture as the policy. Errors name the flag."""
+    checkpoint (config.json and every tensor of the model, right shapes) or Megatron weights that --load-megatron
+    would accept (converter output of either format, an RL checkpoint or one of its iterations), of the same
+    architecture as the policy. Errors name the flag."""
+    from megatron_rl import checkpointing
+
     if not os.path.isdir(directory):
         raise ValueError(f"--ref-load {directory!r}: no such directory")
-    meta_path = os.path.join(directory, MEGATRON_META_FILE)
+    if not _is_hf_directory(directory):
+        checkpointing.check_initial_weights(directory, spec, transformer_impl, flag="--ref-load")
+        return
+    from megatron_rl.conversion import validate_hf_checkpoint
+    from megatron_rl.models.safetensors_io import HFCheckpoint
+
     try:
-        if os.path.isfile(meta_path):
-            from megatron_rl.conversion import MegatronCheckpoint
-
-            with open(meta_path) as f:
-                meta = json.load(f)
-            if meta.get("format") != "safetensors":
-                raise ValueError(f"a Megatron checkpoint of format {meta.get('format')!r}; the reference reads "
-                                 "the safetensors format (tools/convert_hf_to_megatron.py --megatron-format "
-                                 "safetensors) or an HF checkpoint directory")
-            ref_spec = MegatronCheckpoint(directory).spec  # checks every rank file's tensors and shapes
-        elif os.path.isfile(os.path.join(directory, "config.json")):
-            from megatron_rl.conversion import validate_hf_checkpoint
-            from megatron_rl.models.safetensors_io import HFCheckpoint
-
-            ckpt = HFCheckpoint(directory)
-            ref_spec = ModelSpec.from_hf_config(ckpt.config)
-            validate_hf_checkpoint(ref_spec, ckpt)
-        else:
-            raise ValueError(f"neither config.json (HF) nor {MEGATRON_META_FILE} (Megatron) is there")
+        ckpt = HFCheckpoint(directory)
+        ref_spec = ModelSpec.from_hf_config(ckpt.config)
+        validate_hf_checkpoint(ref_spec, ckpt)
     except (OSError, KeyError, json.JSONDecodeError, ValueError) as e:
         raise ValueError(f"--ref-load {directory!r}: {e}") from None
     for field, value in spec.weight_fields().items():
