@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sft-warmup-iters", type=int, default=0, help="supervised steps before RL")
     g.add_argument("--sft-lr", type=float, default=3e-3)
     g.add_argument("--sft-batch-size", type=int, default=64)
+    g.add_argument("--sft-data", metavar="PATH",
+                   help="conversations to imitate in the warm-up (JSONL/parquet read like --prompt-data; each a "
+                        "message list ending with the assistant's answer); default: the arithmetic task's answers")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--load", help="resume from this megatron-rl checkpoint directory (written by --save)")
@@ -125,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--output-dir", default=os.environ.get("OUTPUT_DIR", "outputs/run"),
                    help="metrics.jsonl, eval.json and plots (env OUTPUT_DIR)")
-    g.add_argument("--log-interval", type=int, default=1,
+    g.add_argument("--log-interval", type=int, default=10,
                    help="steps between console lines when the console is not a terminal (metrics files get every "
                         "step)")
     g.add_argument("--wandb-project")
@@ -361,9 +364,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.async_mode != "off" and args.max_staleness < 1:
         parser.error(f"--async-mode {args.async_mode} trains on rollouts one version old: --max-staleness must be "
                      f">= 1, got {args.max_staleness} (or use --async-mode off)")
-    if args.sft_warmup_iters and args.prompt_data:
-        parser.error("--sft-warmup-iters needs the arithmetic task (it has answers to imitate); drop it or "
-                     "--prompt-data")
+    if args.sft_warmup_iters and args.prompt_data and not args.sft_data:
+        parser.error("--sft-warmup-iters with --prompt-data needs --sft-data (conversations to imitate), or drop "
+                     "--sft-warmup-iters")
     if not args.prompt_data and (args.input_key, args.label_key, args.metadata_key) != ("prompt", "answer", None):
         parser.error("--input-key, --label-key and --metadata-key name fields of --prompt-data records; the "
                      "arithmetic task has none (give --prompt-data)")

@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 
 from megatron_rl import checkpointing, evaluation
 from megatron_rl.buffer import Rollout, RolloutBuffer
-from megatron_rl.data.prompts import encode_prompt
+from megatron_rl.data.prompts import check_prompt_lengths, encode_prompt
 from megatron_rl.data.source import PromptSource
 from megatron_rl.logging import (
     MetricsLogger,
@@ -65,6 +65,16 @@ class Controller:
         self.eval_sets = evaluation.eval_sets(args, self.source)
         self.eval_results: dict[tuple[str, int], object] = {}  # (prompt id, sample index) -> RewardResult
         self.eval_history: list[dict] = []  # {"step", set name -> summary} per evaluation
+        eval_len = args.eval_max_response_len or args.rollout_max_response_len
+        dataset = self.source.dataset
+        if dataset is not None:  # every prompt fits beside its response: checked now, not when it comes up
+            check_prompt_lengths((dataset.record(i) for i in range(len(dataset))), self.encode_prompt,
+                                 args.seq_length - args.rollout_max_response_len, f"--prompt-data {dataset.path}",
+                                 "--rollout-max-response-len")
+        for s in self.eval_sets:
+            check_prompt_lengths(s.problems, self.encode_prompt, args.seq_length - eval_len, f"evaluation set {s.name}",
+                                 "--eval-max-response-len" if args.eval_max_response_len else
+                                 "--rollout-max-response-len")
         self.gen_stats: dict[int, dict] = {}  # generator rank -> its cumulative counters
         self._gen_totals: dict = {}  # their sums at the previous step
         self.version, self.consumed, self.skipped_steps, self.consecutive_skips = -1, 0, 0, 0

@@ -63,6 +63,11 @@ def dry_run(args, world_size: int) -> dict:
         args.load_hf = None
     if args.prompt_data and not os.path.isfile(args.prompt_data):
         args.prompt_data = None
+    if args.sft_data and not os.path.isfile(args.sft_data):
+        args.sft_data = None
+    pairs = args.eval_prompt_data or []
+    args.eval_prompt_data = [x for name, path in zip(pairs[::2], pairs[1::2]) if os.path.isfile(path)
+                             for x in (name, path)] or None
     if args.ref_load and not os.path.isdir(args.ref_load):
         args.ref_load = None
     if args.tokenizer and not os.path.isdir(args.tokenizer):

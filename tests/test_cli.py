@@ -77,7 +77,8 @@ def test_dry_run_memory_for_8b_matches_hand_computation():
     assert report["ddma"]["estimated_seconds"] < report["ddma"]["baseline"]["estimated_seconds"]
 
 
-@pytest.mark.parametrize("script", ["run_tiny_aipo.sh", "run_8b_aipo.sh", "run_70b_aipo.sh", "run_405b_aipo.sh"])
+@pytest.mark.parametrize("script", ["run_tiny_aipo.sh", "run_math_chat.sh", "run_8b_aipo.sh", "run_70b_aipo.sh",
+                                    "run_405b_aipo.sh"])
 def test_example_scripts_parse_and_dry_run(script):
     r = subprocess.run(["bash", os.path.join(ROOT, "examples", script), "--dry-run"], capture_output=True,
                        text=True, timeout=300, cwd=ROOT)

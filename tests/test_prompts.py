@@ -196,3 +196,59 @@ def test_the_controller_sends_templated_prompts_with_every_stop_token(hf_dir, tm
         assert params["stop_token_ids"] == setup.stop_token_ids and len(setup.stop_token_ids) == 2
     controller.logger.close()
     controller.reward_fn.close()
+
+
+def test_sft_data_imitates_each_conversations_last_assistant_message(tmp_path):
+    from megatron_rl.data.source import PromptSource
+
+    chats = [[{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"\\boxed{{{i + 1}}}"}]
+             for i in range(3)]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"messages": c, "answer": c[-1]["content"]}) + "\n" for c in chats))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": chats[0][:1], "answer": "1"}) + "\n")
+    flags = ["--prompt-data", str(prompts), "--input-key", "messages", "--apply-chat-template", "--tokenizer", "x",
+             "--sft-warmup-iters", "1"]
+    source = PromptSource(parse_args([*flags, "--sft-data", str(sft)]))
+    examples = source.sft(3)
+    assert sorted((e["prompt"][0]["content"], e["answer"]) for e in examples) == \
+        [(c[0]["content"], c[1]["content"]) for c in chats]
+    assert all(len(e["prompt"]) == 1 for e in examples)  # the assistant's message is the target, not the prompt
+    sft.write_text(json.dumps({"messages": chats[0][:1], "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match=r"--sft-data .*: record 0 \(line or row 1\) must be a message list ending "
+                                         r"with an assistant message"):
+        PromptSource(parse_args([*flags, "--sft-data", str(sft)]))
+
+
+def test_prompts_too_long_for_seq_length_fail_at_start_naming_the_record_and_flags():
+    from megatron_rl.data.prompts import check_prompt_lengths
+
+    tok = build_char_tokenizer()
+    records = [{"id": "a", "prompt": "1+1="}, {"id": "b", "prompt": "12345+67890="}]
+    encode = lambda p: encode_prompt(tok, p, False)  # noqa: E731 - BOS + one token per character
+    check_prompt_lengths(records, encode, 13, "--prompt-data d.jsonl", "--rollout-max-response-len")
+    with pytest.raises(ValueError, match=r"--prompt-data d.jsonl: record 'b' has a prompt of 13 tokens, more than the "
+                                         r"12 that --seq-length leaves after --rollout-max-response-len"):
+        check_prompt_lengths(records, encode, 12, "--prompt-data d.jsonl", "--rollout-max-response-len")
+
+
+def test_the_word_problem_dataset_is_chat_shaped_disjoint_and_its_tokenizer_renders_the_template(tmp_path):
+    from fractions import Fraction
+
+    from transformers import AutoTokenizer
+
+    from megatron_rl.data.word_problems import write
+
+    write(str(tmp_path), train=300, eval_size=40, seed=0)
+    rows = {s: [json.loads(line) for line in open(tmp_path / f"{s}.jsonl")] for s in ("train", "eval")}
+    questions = {s: [r["messages"][0]["content"] for r in rows[s]] for s in rows}
+    assert len(set(questions["train"])) == 300 and len(set(questions["eval"])) == 40  # distinct
+    assert not set(questions["train"]) & set(questions["eval"])  # held out
+    for r in rows["train"] + rows["eval"]:
+        answer = r["answer"].replace("\\frac{", "").replace("}{", "/").rstrip("}")
+        assert Fraction(answer) > 0 and r["messages"][0]["role"] == "user"
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    chat = [{"role": "user", "content": questions["eval"][0]}]
+    ids = encode_prompt(tok, chat, True, "Solve it.")
+    assert tok.decode(ids) == f"<|system|>Solve it.<|end|><|user|>{questions['eval'][0]}<|end|><|assistant|>"
+    assert tok.eos_token == "<|end|>" and tok.decode(tok.encode("\\boxed{\\frac{3}{4}}")) == "\\boxed{\\frac{3}{4}}"

@@ -76,7 +76,7 @@ def test_uneven_stages_reach_megatron_and_the_405b_config_passes_a_launchs_valid
     (["--kl-loss-type", "k2", "--use-kl-in-reward"], "--kl-loss-type, --use-kl-in-reward need(s) a KL penalty: "
                                                      "--kl-coef > 0"),
     (["--ref-load", "ref"], "--ref-load need(s) a KL penalty: --kl-coef > 0"),
-    (["--sft-warmup-iters", "2", "--data-path", "x.jsonl"], "--sft-warmup-iters needs the arithmetic task"),
+    (["--sft-warmup-iters", "2", "--data-path", "x.jsonl"], "--sft-warmup-iters with --prompt-data needs --sft-data"),
     (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
     (["--group-query-attention"], "--group-query-attention needs --num-query-groups"),
     (["--sequence-parallel"], "--sequence-parallel shards over the tensor-parallel group"),

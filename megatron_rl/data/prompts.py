@@ -35,6 +35,16 @@ def encode_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool
     return bos + tokenizer.encode(prompt, add_special_tokens=False)
 
 
+def check_prompt_lengths(records, encode, limit: int, what: str, response_flag: str) -> None:
+    """Every prompt of `records` fits in --seq-length with room for `response_flag`'s tokens (`limit` = what is
+    left); else an error naming the record and the flags, before any work is lost."""
+    for record in records:
+        n = len(encode(record["prompt"]))
+        if n > limit:
+            raise ValueError(f"{what}: record {record['id']!r} has a prompt of {n} tokens, more than the {limit} that "
+                             f"--seq-length leaves after {response_flag} (raise --seq-length, or shorten the prompt)")
+
+
 def stop_token_ids(tokenizer, directories=()) -> tuple[int, ...]:
     """The tokenizer's eos_token_id, then every eos_token_id (an int or a list) of the generation_config.json in
     each of `directories` (None entries and directories without one are skipped), without repeats."""

@@ -22,6 +22,17 @@ def open_prompt_data(path: str, args, flag: str = "--prompt-data", shuffle: bool
     return dataset
 
 
+def open_sft_data(path: str, args) -> PromptDataset:
+    """--sft-data: conversations (read like --prompt-data) whose last message is the assistant's, the target."""
+    dataset = open_prompt_data(path, args, flag="--sft-data")
+    for index in range(len(dataset)):
+        prompt = dataset.record(index)["prompt"]
+        if isinstance(prompt, str) or len(prompt) < 2 or prompt[-1]["role"] != "assistant":
+            raise ValueError(f"--sft-data {path!r}: record {index} (line or row {index + 1}) must be a message list "
+                             f"ending with an assistant message, the text to imitate")
+    return dataset
+
+
 class PromptSource:
     """RL prompts (a prompt dataset, or the arithmetic task), held-out eval prompts, and SFT examples."""
 
@@ -29,6 +40,7 @@ class PromptSource:
 
     def __init__(self, args):
         self.dataset = open_prompt_data(args.prompt_data, args) if args.prompt_data else None
+        self.sft_dataset = open_sft_data(args.sft_data, args) if getattr(args, "sft_data", None) else None
         self.task = ArithmeticTask(seed=args.seed, min_digits=args.task_min_digits, max_digits=args.task_max_digits,
                                    num_operands=args.task_operands)
         self.cursor = 0
@@ -54,8 +66,13 @@ class PromptSource:
         return [] if self.dataset is not None else self.task.problems(0, n, "eval")
 
     def sft(self, n: int) -> list[dict]:
+        """`n` supervised examples: {"prompt", "answer"} where the answer is the text to imitate (--sft-data: a
+        conversation's last, assistant message; the task: the problem's answer)."""
+        if self.sft_dataset is not None:
+            return [dict(r, prompt=r["prompt"][:-1], answer=r["prompt"][-1]["content"])
+                    for r in self.sft_dataset.next(n)]
         if self.dataset is not None:
-            raise ValueError("--sft-warmup-iters needs the arithmetic task (no --prompt-data)")
+            raise ValueError("--sft-warmup-iters with --prompt-data needs --sft-data (conversations to imitate)")
         out = self.task.problems(self.SFT_OFFSET + self.sft_cursor, n)
         self.sft_cursor += n
         return out

@@ -1,0 +1,122 @@
+"""A chat-format math dataset that the project makes itself (no downloads): arithmetic and fraction word
+problems in OpenAI message form, reference answers (fractions in LaTeX), and a byte-level BPE tokenizer trained
+on the problems with the `tokenizers` library and saved in HF form with a chat template.
+
+    python -m megatron_rl.data.word_problems --out DIR [--train 4000 --eval 200 --seed 0]
+
+writes DIR/train.jsonl and DIR/eval.jsonl ({"messages": [...], "answer": ...}: RL prompts and held-out prompts,
+disjoint), DIR/sft.jsonl (the training problems' conversations with a worked answer "\\boxed{...}" as the assistant
+turn, for the supervised warm-up) and DIR/tokenizer/. Problems are pure functions of (seed, split, index).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+from fractions import Fraction
+
+SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana"]
+ITEMS = ["apples", "marbles", "books", "stamps", "coins", "shells"]
+
+
+def latex(value: Fraction) -> str:
+    return str(value.numerator) if value.denominator == 1 else f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
+
+
+def problem(rng: random.Random) -> tuple[str, str]:
+    """(question, reference answer) of one random problem."""
+    kind = rng.choice(["sum", "difference", "product", "fraction"])
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(2, 19), rng.randint(2, 9)
+    if kind == "sum":
+        return f"{name} has {a} {item} and finds {b} more. How many {item} does {name} have now?", str(a + b)
+    if kind == "difference":
+        return f"{name} has {a + b} {item} and gives away {b}. How many {item} are left?", str(a)
+    if kind == "product":
+        return f"{name} buys {b} bags with {a} {item} each. How many {item} is that?", str(a * b)
+    d = rng.randint(2, 6)
+    x, y = Fraction(rng.randint(1, d - 1), d), Fraction(1, rng.randint(2, 6))
+    return (f"{name} eats {x} of a pie and then {y} of it. How much of the pie did {name} eat? Give the answer as "
+            "a fraction."), latex(x + y)
+
+
+def _split_of(question: str, eval_every: int = 20) -> str:
+    h = int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "little")
+    return "eval" if h % eval_every == 0 else "train"
+
+
+def records(seed: int, split: str, count: int) -> list[dict]:
+    """`count` distinct problems of `split`, as message-list records."""
+    out, seen, index = [], set(), 0
+    while len(out) < count:
+        question, answer = problem(random.Random(f"{seed}:{split}:{index}"))
+        index += 1
+        if _split_of(question) != split or question in seen:
+            continue
+        if index > 1000 * count:
+            raise ValueError(f"only {len(out)} distinct {split} problems exist; asked for {count}")
+        seen.add(question)
+        out.append({"id": f"{split}-{len(out)}", "messages": [{"role": "user", "content": question}],
+                    "answer": answer})
+    return out
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 600):
+    """A byte-level BPE (digits kept one per token) trained on `texts`, as an HF fast tokenizer with the chat
+    template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<|end|>",
+                                 clean_up_tokenization_spaces=False)
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def solution(answer: str) -> str:
+    return f"The answer is \\boxed{{{answer}}}."
+
+
+def write(out: str, train: int, eval_size: int, seed: int) -> None:
+    os.makedirs(out, exist_ok=True)
+    splits = {"train": records(seed, "train", train), "eval": records(seed, "eval", eval_size)}
+    for name, rows in splits.items():
+        with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(os.path.join(out, "sft.jsonl"), "w") as f:
+        for r in splits["train"]:
+            messages = [*r["messages"], {"role": "assistant", "content": solution(r["answer"])}]
+            f.write(json.dumps({"id": r["id"], "messages": messages, "answer": r["answer"]}) + "\n")
+    texts = [SYSTEM_PROMPT] + [m["content"] for r in splits["train"] for m in r["messages"]] + \
+        [solution(r["answer"]) for r in splits["train"]]
+    train_tokenizer(texts).save_pretrained(os.path.join(out, "tokenizer"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--train", type=int, default=4000)
+    p.add_argument("--eval", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    write(args.out, args.train, args.eval, args.seed)
+    print(f"wrote {args.train} training and {args.eval} held-out problems and a tokenizer to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""Held-out accuracy of an HF checkpoint (for instance a policy a run exported) with `transformers` alone.
+
+    python tools/eval_hf.py --hf-dir HF --eval-prompt-data eval.jsonl [--apply-chat-template] [--system-prompt S]
+        [--max-new-tokens 16] [--compare-eval-json RUN/eval.json --eval-set NAME]
+
+Each prompt is encoded exactly as a run encodes it (the same keys, chat template and system prompt), answered
+greedily by `AutoModelForCausalLM.generate` until any EOS id of the checkpoint, and scored by the math reward.
+With --compare-eval-json it also prints the run's own final accuracy on that set and exits 1 if they differ.
+"""
+
+import argparse
+import json
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--eval-prompt-data", required=True, metavar="PATH")
+    p.add_argument("--input-key", default="prompt")
+    p.add_argument("--label-key", default="answer")
+    p.add_argument("--apply-chat-template", action="store_true")
+    p.add_argument("--system-prompt")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--compare-eval-json", metavar="PATH", help="a run's eval.json to compare with")
+    p.add_argument("--eval-set", help="the set's name in --compare-eval-json")
+    args = p.parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_rl.data.dataset import PromptDataset
+    from megatron_rl.data.prompts import encode_prompt, stop_token_ids
+    from megatron_rl.data.records import RecordFields
+    from megatron_rl.rewards.math import MathScorer
+    from megatron_rl.rewards.sample import RewardSample
+
+    tokenizer = AutoTokenizer.from_pretrained(args.hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).eval()
+    stops = list(stop_token_ids(tokenizer, [args.hf_dir]))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    dataset = PromptDataset(args.eval_prompt_data, shuffle=False, fields=RecordFields(args.input_key, args.label_key))
+    samples = []
+    for index in tqdm(range(len(dataset)), desc="generate", dynamic_ncols=True):
+        record = dataset.record(index)
+        ids = encode_prompt(tokenizer, record["prompt"], args.apply_chat_template, args.system_prompt)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stops,
+                                 pad_token_id=pad)
+        response = [t for t in out[0, len(ids):].tolist() if t not in stops]
+        samples.append(RewardSample(prompt="", response=tokenizer.decode(response), label=record["answer"]))
+    scorer = MathScorer(num_workers=1)
+    try:
+        results = scorer(samples)
+    finally:
+        scorer.close()
+    scored = [r for r in results if not r.is_failure]
+    accuracy = sum(r.reward == 1.0 for r in scored) / len(scored)
+    print(f"{args.hf_dir}: held-out accuracy {accuracy:.4f} ({len(scored)} scored of {len(results)} problems, "
+          "greedy, transformers)")
+    if args.compare_eval_json:
+        with open(args.compare_eval_json) as f:
+            run = json.load(f)["eval_sets"][args.eval_set]["after_rl"]["accuracy"]
+        print(f"the run's own evaluation of set {args.eval_set!r} at the end: {run:.4f} -> "
+              f"{'match' if abs(run - accuracy) < 1e-9 else 'MISMATCH'}")
+        return 0 if abs(run - accuracy) < 1e-9 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
