@@ -110,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", help="resume from this megatron-rl checkpoint directory (written by --save)")
     g.add_argument("--load-hf", help="initial policy weights from an HF checkpoint directory")
     g.add_argument("--ref-load",
-                   help="with --kl-coef: the reference policy's weights, an HF checkpoint directory or a Megatron one "
-                        "written by tools/convert_hf_to_megatron.py (safetensors format); default: the policy as RL "
-                        "begins (after any --sft-warmup-iters), kept in RL checkpoints")
+                   help="with --kl-coef: the reference policy's weights, an HF checkpoint directory or Megatron "
+                        "weights as --load-megatron reads them; default: the policy as RL begins (after any "
+                        "--sft-warmup-iters), kept in RL checkpoints")
     g.add_argument("--load-megatron", metavar="DIR",
                    help="initial policy weights (a new run, not a resume) from a Megatron checkpoint: the output of "
                         "tools/convert_hf_to_megatron.py (either format, any TP/PP), one iteration of an RL "

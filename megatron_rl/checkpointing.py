@@ -77,6 +77,12 @@ def saved_iterations(directory: str) -> list[int]:
     return sorted(int(n[5:]) for n in names if n.startswith("iter_") and n[5:].isdigit())
 
 
+def is_hf_directory(directory: str) -> bool:
+    """An HF checkpoint (config.json), not Megatron weights (megatron_rl.json) nor an RL checkpoint (the tracker)."""
+    return os.path.isfile(os.path.join(directory, "config.json")) and not any(
+        os.path.isfile(os.path.join(directory, name)) for name in (META_FILE, TRACKER_FILE))
+
+
 def weights_directory(directory: str, iteration: int | None = None, flag: str = "--load") -> str:
     """The directory whose `megatron_rl.json` describes the weights to read: in an RL checkpoint directory (the
     tracker, written by --save), the iteration `iteration` or else the latest; a Megatron checkpoint of weights

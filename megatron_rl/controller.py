@@ -159,7 +159,8 @@ class Controller:
     def state_dict(self) -> dict:
         return {"weight_version": self.version, "consumed_samples": self.consumed, "source": self.source.state_dict(),
                 "buffer": self.buffer.state_dict(), "inflight": self.inflight, "dispatched": dict(self.dispatched),
-                "skipped_steps": self.skipped_steps, "reward_failures": dict(self.reward_failures.counts)}
+                "skipped_steps": self.skipped_steps, "reward_failures": dict(self.reward_failures.counts),
+                "eval_history": self.eval_history}
 
     def load_state_dict(self, state: dict) -> None:
         self.version, self.consumed = state["weight_version"], state["consumed_samples"]
@@ -167,6 +168,7 @@ class Controller:
         self.buffer.load_state_dict(state["buffer"])
         self.inflight, self.dispatched = state["inflight"], Counter(state["dispatched"])
         self.skipped_steps, self.reward_failures.counts = state["skipped_steps"], Counter(state["reward_failures"])
+        self.eval_history = state.get("eval_history", [])  # absent in checkpoints of runs without evaluations
 
     def resend_lost_samples(self, step: int) -> None:
         """After a resume: samples of the prompts in flight at the checkpoint that were not in its buffer died
@@ -307,7 +309,7 @@ class Controller:
             self.publish()
         if args.kl_coef and not args.ref_load and not args.load:
             self.trainer.command("snapshot_reference")  # the default reference: the policy as RL begins
-        if self.eval_sets:
+        if self.eval_sets and not args.load:  # a resume keeps the evaluations of its checkpoint (eval_history)
             self.logger.log(start_step, {"eval": self.evaluate(start_step)})
         run_start = time.time()
         mode = {"on": "async", "off": "sync", "alternate": "async/sync"}[args.async_mode]

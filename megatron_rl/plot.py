@@ -28,11 +28,13 @@ def plot(runs: dict[str, str], out: str) -> str:
         axes[0].plot(t, [r["rollout"]["reward_mean"] for r in rows], marker=".", label=label)
         axes[1].plot(t, [r["rollout"]["accuracy"] for r in rows], marker=".", label=label)
         eval_path = os.path.join(run_dir, "eval.json")
+        after = None
         if os.path.exists(eval_path):
             with open(eval_path) as f:
-                ev = json.load(f)
-            axes[1].axhline(ev["accuracy_after_rl"], linestyle="--", linewidth=1,
-                            color=axes[1].lines[-1].get_color(), label=f"{label}: held-out after RL")
+                after = json.load(f).get("accuracy_after_rl")  # none without an evaluation set
+        if after is not None:
+            axes[1].axhline(after, linestyle="--", linewidth=1, color=axes[1].lines[-1].get_color(),
+                            label=f"{label}: held-out after RL")
     for ax, title in zip(axes, ("reward (mean over sampled rollouts)", "accuracy (sampled; dashed: held-out greedy)")):
         ax.set_xlabel("wall time of RL (s)")
         ax.set_title(title)

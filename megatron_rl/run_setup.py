@@ -37,7 +37,8 @@ class RunSetup:
         """The ids that end a response: the tokenizer's EOS and those of the model's generation_config.json."""
         from megatron_rl.data.prompts import stop_token_ids
 
-        return stop_token_ids(self.tokenizer, dict.fromkeys((tokenizer_directory(self.args), self.args.load_hf)))
+        return stop_token_ids(self.tokenizer, dict.fromkeys((tokenizer_directory(self.args),
+                                                             model_directory(self.args))))
 
     @property
     def world_size(self) -> int:
@@ -58,9 +59,29 @@ def stable_seed(*parts) -> int:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of these makes an HF tokenizer
 
 
+def model_directory(args) -> str | None:
+    """The directory the run's model comes from, whose generation_config.json (and tokenizer) belong to it:
+    --load-hf, --load-megatron's weights, or the iteration a resume (--load) starts from; None for a new model."""
+    from megatron_rl import checkpointing
+
+    if args.load_hf:
+        return args.load_hf
+    if args.load_megatron:
+        return checkpointing.weights_directory(args.load_megatron, flag="--load-megatron")
+    if args.load:
+        return checkpointing.iteration_dir(args.load, checkpointing.latest_checkpoint_step(args.load))
+    return None
+
+
 def tokenizer_directory(args) -> str | None:
-    """--tokenizer, else the --load-hf checkpoint's own directory; None: the character tokenizer."""
-    return args.tokenizer or args.load_hf
+    """--tokenizer, else the --load-hf checkpoint's own directory, else --load-megatron's weights when they carry a
+    tokenizer; None: the character tokenizer."""
+    if args.tokenizer or args.load_hf:
+        return args.tokenizer or args.load_hf
+    directory = model_directory(args) if args.load_megatron else None
+    if directory and any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        return directory
+    return None
 
 
 def load_tokenizer(args):
@@ -71,7 +92,7 @@ def load_tokenizer(args):
         from megatron_rl.data.tokenizer import build_char_tokenizer
 
         return build_char_tokenizer()
-    flag = f"--tokenizer {directory!r}" + ("" if args.tokenizer else " (by default the --load-hf directory)")
+    flag = f"--tokenizer {directory!r}" + ("" if args.tokenizer else " (by default the model's directory)")
     if not os.path.isdir(directory):
         raise ValueError(f"{flag}: no such directory")
     if not any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
@@ -102,7 +123,9 @@ def model_spec(args, tokenizer) -> ModelSpec:
                          max_position_embeddings=args.seq_length)
     else:
         spec = get_model_spec(args.model)
-        if args.tokenizer:  # a new model for this tokenizer (Megatron pads the vocabulary for the layout)
+        # A new model for this tokenizer (Megatron pads the vocabulary for the layout); weights from --load-megatron
+        # keep the vocabulary they were trained with.
+        if args.tokenizer and not args.load_megatron:
             spec = spec.replace(vocab_size=len(tokenizer))
     overrides = {k: v for k, v in (("num_layers", args.num_layers), ("hidden_size", args.hidden_size),
                                    ("ffn_hidden_size", args.ffn_hidden_size),
@@ -178,8 +201,8 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
                          f"{trainer.data_parallel_size} x --micro-batch-size {args.micro_batch_size}")
     reward_factory(args.reward_fn, args.custom_rm_path)
     eval_files = (getattr(args, "eval_prompt_data", None) or [])[1::2]
-    for flag, path in [("--prompt-data", args.prompt_data)] * bool(args.prompt_data) + \
-            [("--eval-prompt-data", p) for p in eval_files]:
+    files = [("--prompt-data", args.prompt_data), ("--sft-data", getattr(args, "sft_data", None))]
+    for flag, path in [(f, p) for f, p in files if p] + [("--eval-prompt-data", p) for p in eval_files]:
         if not os.path.isfile(path):
             raise ValueError(f"{flag} {path!r}: no such file")
         file_format(path, flag)

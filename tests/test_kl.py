@@ -65,7 +65,7 @@ def _kl_gradient_rank():
         -1, batch.tokens[:, 1:, None]).squeeze(-1)
     ref = logp + 0.5 * torch.randn(logp.shape, generator=g)  # a reference near the policy, as in training
     mb = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
-          "behavior_logprobs": batch.behavior_logprobs, "ref_logprobs": ref}
+          "behavior_logprobs": batch.behavior_logprobs, "ref_logprobs": ref, "width": batch.tokens.shape[1] - 1}
     normalizer = float(batch.loss_mask.sum())
     out = {}
     for name, algo in [("none", AlgorithmConfig(temperature=TEMPERATURE))] + [

@@ -156,6 +156,8 @@ def test_pathological_answers_return_within_timeout_plus_one_second(scorer, resp
 def test_a_verdict_past_its_limit_inside_math_verify_is_a_timeout_not_a_wrong_answer():
     """math-verify catches Exception around each comparison; the limit must still end it as a timeout. This
     comparison spends several seconds in sympy's Python code (interruptible), in this process's main thread."""
+    import math_verify  # noqa: F401 - imported before the clock starts (slow on a busy machine)
+
     from megatron_rl.rewards.math import verdict
 
     start = time.monotonic()

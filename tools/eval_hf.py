@@ -5,12 +5,15 @@
         [--max-new-tokens 16] [--compare-eval-json RUN/eval.json --eval-set NAME]
 
 Each prompt is encoded exactly as a run encodes it (the same keys, chat template and system prompt), answered
-greedily by `AutoModelForCausalLM.generate` until any EOS id of the checkpoint, and scored by the math reward.
-With --compare-eval-json it also prints the run's own final accuracy on that set and exits 1 if they differ.
+greedily by `AutoModelForCausalLM.generate` until any EOS id of the checkpoint, and scored by the run's reward
+options (--reward-fn, --custom-rm-path, --reward-timeout). With --compare-eval-json it also prints the run's own
+final accuracy on that set and exits 1 if they differ: meaningful for a run that evaluated greedily (the default
+--eval-temperature 0) with one sample per prompt.
 """
 
 import argparse
 import json
+import sys
 
 
 def main(argv=None) -> int:
@@ -19,6 +22,10 @@ def main(argv=None) -> int:
     p.add_argument("--eval-prompt-data", required=True, metavar="PATH")
     p.add_argument("--input-key", default="prompt")
     p.add_argument("--label-key", default="answer")
+    p.add_argument("--metadata-key")
+    p.add_argument("--reward-fn", default="math")
+    p.add_argument("--custom-rm-path")
+    p.add_argument("--reward-timeout", type=int, default=5)
     p.add_argument("--apply-chat-template", action="store_true")
     p.add_argument("--system-prompt")
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -33,14 +40,15 @@ def main(argv=None) -> int:
     from megatron_rl.data.dataset import PromptDataset
     from megatron_rl.data.prompts import encode_prompt, stop_token_ids
     from megatron_rl.data.records import RecordFields
-    from megatron_rl.rewards.math import MathScorer
+    from megatron_rl.rewards import build_reward_fn
     from megatron_rl.rewards.sample import RewardSample
 
     tokenizer = AutoTokenizer.from_pretrained(args.hf_dir)
     model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).eval()
     stops = list(stop_token_ids(tokenizer, [args.hf_dir]))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    dataset = PromptDataset(args.eval_prompt_data, shuffle=False, fields=RecordFields(args.input_key, args.label_key))
+    dataset = PromptDataset(args.eval_prompt_data, shuffle=False,
+                            fields=RecordFields(args.input_key, args.label_key, args.metadata_key))
     samples = []
     for index in tqdm(range(len(dataset)), desc="generate", dynamic_ncols=True):
         record = dataset.record(index)
@@ -50,22 +58,29 @@ def main(argv=None) -> int:
                                  max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stops,
                                  pad_token_id=pad)
         response = [t for t in out[0, len(ids):].tolist() if t not in stops]
-        samples.append(RewardSample(prompt="", response=tokenizer.decode(response), label=record["answer"]))
-    scorer = MathScorer(num_workers=1)
+        finish = "stop" if len(response) < out.shape[1] - len(ids) else "length"
+        samples.append(RewardSample(prompt=tokenizer.decode(ids, skip_special_tokens=True),
+                                    response=tokenizer.decode(response), label=record["answer"],
+                                    metadata=record["metadata"], finish_reason=finish))
+    scorer = build_reward_fn(args.reward_fn, 1, args.reward_timeout, args.custom_rm_path)
     try:
         results = scorer(samples)
     finally:
-        scorer.close()
+        getattr(scorer, "close", lambda: None)()
     scored = [r for r in results if not r.is_failure]
+    if not scored:
+        print(f"error: no sample could be scored ({results[0].status}: {results[0].detail})", file=sys.stderr)
+        return 2
     accuracy = sum(r.reward == 1.0 for r in scored) / len(scored)
     print(f"{args.hf_dir}: held-out accuracy {accuracy:.4f} ({len(scored)} scored of {len(results)} problems, "
           "greedy, transformers)")
     if args.compare_eval_json:
         with open(args.compare_eval_json) as f:
             run = json.load(f)["eval_sets"][args.eval_set]["after_rl"]["accuracy"]
-        print(f"the run's own evaluation of set {args.eval_set!r} at the end: {run:.4f} -> "
-              f"{'match' if abs(run - accuracy) < 1e-9 else 'MISMATCH'}")
-        return 0 if abs(run - accuracy) < 1e-9 else 1
+        same = run is not None and abs(run - accuracy) < 1e-9
+        print(f"the run's own evaluation of set {args.eval_set!r} at the end: {run} -> "
+              f"{'match' if same else 'MISMATCH'}")
+        return 0 if same else 1
     return 0
 
 

@@ -24,8 +24,8 @@ from megatron_rl.conversion import RL_FORMAT
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
 from megatron_rl.roles import Roles
-from megatron_rl.run_setup import RunSetup
-from megatron_rl.trainer.export import ModelDescription, generation_source, save_hf
+from megatron_rl.run_setup import RunSetup, model_directory
+from megatron_rl.trainer.export import ModelDescription, save_hf
 
 
 class TrainerExecutor:
@@ -38,20 +38,14 @@ class TrainerExecutor:
         self.args, self.roles, self.spec = args, roles, spec
         parallel.initialize(layout, spec, seed=args.seed, device=roles.device)
         init = None
-        if args.load_hf:
-            from megatron_rl.models.safetensors_io import HFCheckpoint
-            from megatron_rl.trainer.weights import load_hf_weights
+        if args.load_hf or args.load_megatron:
+            from megatron_rl.trainer.weights import load_weights_from
 
-            reader = HFCheckpoint(args.load_hf)
-            init = lambda m: load_hf_weights(m, spec, layout, reader.get_slice)  # noqa: E731
-        elif args.load_megatron:
-            from megatron_rl.conversion import load_megatron_weights
-
-            weights = checkpointing.weights_directory(args.load_megatron, flag="--load-megatron")
-            if roles.is_controller:
-                print(f"[megatron-rl] --load-megatron {args.load_megatron}: initial weights from {weights} (a new "
-                      "run, not a resume: no RL state is read)", flush=True)
-            init = lambda m: load_megatron_weights(m, spec, layout, weights)  # noqa: E731
+            flag, directory = ("--load-hf", args.load_hf) if args.load_hf else ("--load-megatron", args.load_megatron)
+            if roles.is_controller and args.load_megatron:
+                print(f"[megatron-rl] --load-megatron {args.load_megatron}: initial weights from "
+                      f"{model_directory(args)} (a new run, not a resume: no RL state is read)", flush=True)
+            init = lambda m: load_weights_from(m, spec, layout, directory, flag)  # noqa: E731
         policy = build_policy(spec, layout, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                               clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                               adam_eps=args.adam_eps, bf16=args.bf16,
@@ -67,7 +61,7 @@ class TrainerExecutor:
         self.reference = self._build_reference(policy)
         self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler, self.reference)
         self.description = ModelDescription(spec, layout, torch.bfloat16 if args.bf16 else torch.float32,
-                                            setup.tokenizer, generation_source(args))
+                                            setup.tokenizer, model_directory(args))
         self.plan = setup.plan()
         self.transport = make_transport(roles)
         self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any

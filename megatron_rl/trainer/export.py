@@ -94,17 +94,3 @@ def save_hf(model: torch.nn.Module, description: ModelDescription, directory: st
             conversion.megatron_to_hf(shards, directory, overwrite=True, progress=False)
         finally:
             shutil.rmtree(shards, ignore_errors=True)
-
-
-def generation_source(args) -> str | None:
-    """The directory the run's model came from, whose generation_config.json its exports carry: --load-hf,
-    --load-megatron's weights, or the iteration a resume (--load) starts from."""
-    from megatron_rl import checkpointing
-
-    if args.load_hf:
-        return args.load_hf
-    if args.load_megatron:
-        return checkpointing.weights_directory(args.load_megatron, flag="--load-megatron")
-    if args.load:
-        return checkpointing.iteration_dir(args.load, checkpointing.latest_checkpoint_step(args.load))
-    return None

@@ -36,17 +36,9 @@ class ReferenceModel:
 
     def load(self, directory: str) -> None:
         """Read the weights of --ref-load `directory` (checked at start-up by `check_reference_checkpoint`)."""
-        from megatron_rl.trainer.weights import load_hf_weights
+        from megatron_rl.trainer.weights import load_weights_from
 
-        if _is_hf_directory(directory):
-            from megatron_rl.models.safetensors_io import HFCheckpoint
-
-            load_hf_weights(self.module, self.spec, self.layout, HFCheckpoint(directory).get_slice)
-        else:
-            from megatron_rl.checkpointing import weights_directory
-            from megatron_rl.conversion import load_megatron_weights
-
-            load_megatron_weights(self.module, self.spec, self.layout, weights_directory(directory, flag="--ref-load"))
+        load_weights_from(self.module, self.spec, self.layout, directory, "--ref-load")
         self.source = f"--ref-load {directory}"
 
     @torch.no_grad()
@@ -69,14 +61,6 @@ class ReferenceModel:
         return forward_logprobs(self.module, microbatches, self.spec.vocab_size, temperature)
 
 
-def _is_hf_directory(directory: str) -> bool:
-    """An HF checkpoint (config.json), not a Megatron one (megatron_rl.json) nor an RL checkpoint (the tracker)."""
-    from megatron_rl.checkpointing import META_FILE, TRACKER_FILE
-
-    return os.path.isfile(os.path.join(directory, "config.json")) and not any(
-        os.path.isfile(os.path.join(directory, name)) for name in (META_FILE, TRACKER_FILE))
-
-
 def check_reference_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str) -> None:
     """Everything about --ref-load that can be checked before any weight exists: the directory holds an HF
     checkpoint (config.json and every tensor of the model, right shapes) or Megatron weights that --load-megatron
@@ -86,7 +70,7 @@ def check_reference_checkpoint(directory: str, spec: ModelSpec, transformer_impl
 
     if not os.path.isdir(directory):
         raise ValueError(f"--ref-load {directory!r}: no such directory")
-    if not _is_hf_directory(directory):
+    if not checkpointing.is_hf_directory(directory):
         checkpointing.check_initial_weights(directory, spec, transformer_impl, flag="--ref-load")
         return
     from megatron_rl.conversion import validate_hf_checkpoint

@@ -29,7 +29,8 @@ def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch
     targets = mb["tokens"][:, 1:]
     logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1], targets, vocab_size, algo.temperature)
     mask, blp = mb["loss_mask"], mb["behavior_logprobs"]
-    aggregation = dict(aggregation=algo.aggregation, normalizer=normalizer, constant=float(targets.shape[1]))
+    # The batch's own width, not the sequence-parallel padding's: the seq-sum-constant divisor is the same either way.
+    aggregation = dict(aggregation=algo.aggregation, normalizer=normalizer, constant=float(mb["width"]))
     loss = algorithms.LOSSES[algo.loss].compute(
         algorithms.LossInputs(logprobs, blp, mb["advantages"], mask, aggregation), algo)
     stats: dict[str, Any] = {"pg_loss": loss.detach()}
@@ -75,7 +76,8 @@ class PolicyTrainer:
         for i in range(0, share, mbs):
             part = local.rows(slice(i, i + mbs)).to(self.policy.device)
             mb = {"tokens": part.tokens, "input_ids": part.tokens, "loss_mask": part.loss_mask,
-                  "behavior_logprobs": part.behavior_logprobs, "advantages": part.advantages}
+                  "behavior_logprobs": part.behavior_logprobs, "advantages": part.advantages,
+                  "width": batch.tokens.shape[1] - 1}
             if part.ref_logprobs is not None:
                 mb["ref_logprobs"] = part.ref_logprobs
             out.append(mb)
@@ -159,7 +161,7 @@ class PolicyTrainer:
         local = _share_from_last_stage(local)
         gathered: list[Any] = [None] * ps.get_data_parallel_world_size()
         dist.all_gather_object(gathered, local, group=ps.get_data_parallel_group())
-        return torch.cat(gathered)
+        return torch.cat(gathered)[:, :batch.tokens.shape[1] - 1]  # without the sequence-parallel padding
 
 
 def _share_from_last_stage(obj):

@@ -31,6 +31,23 @@ def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, layout: L.TrainerLa
             params[name].copy_(L.assemble(shard, get_slice, dtype=params[name].dtype))
 
 
+def load_weights_from(model: torch.nn.Module, spec: ModelSpec, layout: L.TrainerLayout, directory: str,
+                      flag: str) -> None:
+    """This rank's shard of `model` from a directory of weights: an HF checkpoint (config.json), or Megatron weights
+    as --load-megatron reads them (converter output of either format, an RL checkpoint or one of its iterations).
+    Collective over the trainer's ranks for a distributed checkpoint. `flag` names the directory in errors."""
+    from megatron_rl import checkpointing
+
+    if checkpointing.is_hf_directory(directory):
+        from megatron_rl.models.safetensors_io import HFCheckpoint
+
+        load_hf_weights(model, spec, layout, HFCheckpoint(directory).get_slice)
+    else:
+        from megatron_rl.conversion import load_megatron_weights
+
+        load_megatron_weights(model, spec, layout, checkpointing.weights_directory(directory, flag=flag))
+
+
 def merge_to_hf(spec: ModelSpec, layout: L.TrainerLayout,
                 shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Full HF tensors from the parameters of every (tp_rank, pp_rank) of one model replica."""
