@@ -106,7 +106,7 @@ def _megatron_logits(source: str, from_megatron: bool, spec: ModelSpec, tp: int,
     return logits if rank == 0 else None
 
 
-@pytest.mark.parametrize("spec", [LLAMA, QWEN_TIED], ids=["llama", "qwen2-tied"])
+@pytest.mark.parametrize("spec", [LLAMA, pytest.param(QWEN_TIED, marks=pytest.mark.slow)], ids=["llama", "qwen2-tied"])
 def test_megatron_from_converted_checkpoint_matches_transformers(tmp_path, spec):
     hf_dir, meg = tmp_path / "hf", tmp_path / "meg"
     hf_model = save_random_hf_model(spec, hf_dir, seed=3)

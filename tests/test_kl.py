@@ -344,6 +344,7 @@ def test_dry_run_counts_the_reference_weights(capsys):
 
 # ---- end to end: a run with the KL penalty, saved and resumed ------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_run_with_a_kl_penalty_resumes_with_its_reference(tmp_path):
     """The real executors (trainer TP=2, one generator): the default reference is the starting policy (KL 0 at step
     1), the policy moves away from it (KL != 0 at step 2), and the resumed run's KL is again to that reference, not

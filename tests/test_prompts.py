@@ -84,7 +84,7 @@ def test_tokenizer_problems_name_the_flag_and_directory(hf_dir, tmp_path):
     weights_only = tmp_path / "weights_only"
     weights_only.mkdir()
     (weights_only / "config.json").write_text((tmp_path / "model" / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"--tokenizer '.*weights_only' \(by default the --load-hf directory\): no "
+    with pytest.raises(ValueError, match=r"--tokenizer '.*weights_only' \(by default the model's directory\): no "
                                          r"tokenizer files"):
         load_tokenizer(parse_args(["--load-hf", str(weights_only)]))
     with pytest.raises(ValueError, match=r"--tokenizer '/no/such/dir': no such directory"):
