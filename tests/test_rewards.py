@@ -217,18 +217,16 @@ def test_a_worker_that_cannot_start_stops_the_pool_with_its_reason():
 
 
 KILLED_PARENT = textwrap.dedent("""
-    import os, sys, time
+    import os, signal
     from megatron_rl.rewards.pool import WorkerPool
 
-    def busy(marker):
-        with open(marker + ".tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.rename(marker + ".tmp", marker)  # this worker is inside a task now, not reading its pipe
-        time.sleep(600)
+    def busy():
+        print(os.getpid(), flush=True)  # this worker is inside a task now, not reading its pipe
+        signal.pause()  # and stays there until a signal ends it
 
     if __name__ == "__main__":
         pool = WorkerPool(2)
-        pool.map(busy, [(os.path.join(sys.argv[1], f"worker{i}"),) for i in range(2)], timeout_s=900)
+        pool.map(busy, [(), ()], timeout_s=900)
 """)
 
 
@@ -240,25 +238,26 @@ def _gone(pid: int) -> bool:
 
 
 def test_workers_die_with_the_process_that_started_them_even_by_sigkill(tmp_path):
+    import selectors
+
     script = tmp_path / "parent.py"
     script.write_text(KILLED_PARENT)
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)],
-                              env={**os.environ, "PYTHONPATH": REPO})
-    markers = [tmp_path / "worker0", tmp_path / "worker1"]
+    parent = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": REPO},
+                              stdout=subprocess.PIPE, text=True)
     pids = []
     try:
-        deadline = time.monotonic() + 120
-        while not all(m.exists() for m in markers):  # both workers busy in a task
-            assert parent.poll() is None and time.monotonic() < deadline, "the pool did not start"
-            time.sleep(0.05)
-        pids = [int(m.read_text()) for m in markers]
-        assert not any(_gone(p) for p in pids)
+        with selectors.DefaultSelector() as selector:  # each busy worker announces its pid on the shared stdout
+            selector.register(parent.stdout, selectors.EVENT_READ)
+            while len(pids) < 2:
+                assert selector.select(timeout=120), "the pool did not start"
+                line = parent.stdout.readline()
+                assert line, f"the parent exited before its workers were busy (exit code {parent.wait()})"
+                pids.append(int(line))
+        workers = [psutil.Process(p) for p in pids]
         parent.kill()
         parent.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(_gone(p) for p in pids), f"workers outlived their parent: {[p for p in pids if not _gone(p)]}"
+        _, alive = psutil.wait_procs(workers, timeout=10)  # the kernel's PR_SET_PDEATHSIG, not a guess
+        assert all(_gone(p.pid) for p in alive), f"workers outlived their parent: {[p.pid for p in alive]}"
     finally:
         parent.kill()
         for pid in pids:
@@ -330,7 +329,7 @@ CUSTOM = textwrap.dedent("""
         "float": lambda s: 0.25,
         "dict": lambda s: {"reward": 1, "steps": 3},
         "result": lambda s: RewardResult(1.0, "wrong-format", "x", "judged"),
-        "slow": lambda s: time.sleep(60),
+        "slow": lambda s: signal.pause(),  # until the time limit's alarm
         "raises": lambda s: {}["no such key"],
         "crash": lambda s: os.kill(os.getpid(), signal.SIGKILL),
         "str": lambda s: "1.0",
