@@ -111,18 +111,26 @@ def validate(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayout
 
 
 def _trainer_index(spec: ModelSpec, trainer: TrainerLayout):
-    """hf_name -> [(hf_start, hf_stop, [(tp, pp, megatron_name, offset)...])]: who holds which rows."""
+    """hf_name -> [(hf_start, hf_stop, [(global rank, megatron_name, offset)...])]: who holds which rows. Every
+    rank that holds a row is listed (DP replicas, TP ranks for replicated norms); with expert parallelism a
+    data-parallel rank holds only its EP rank's experts."""
     ranges: dict[str, dict[tuple[int, int], list]] = defaultdict(dict)
+    shards_of: dict[tuple, dict[str, L.ShardLayout]] = {}
     for pp in range(trainer.pipeline_parallel_size):
-        for tp in range(trainer.tensor_parallel_size):
-            for name, shard in L.megatron_shards(spec, trainer, tp, pp).items():
-                if name == "output_layer.weight" and spec.tie_word_embeddings:
-                    continue  # a copy of the embedding on the last stage: the first stage sends it
-                offset = 0
-                for seg in shard.segments:
-                    if seg.hf_name is not None:
-                        ranges[seg.hf_name].setdefault((seg.start, seg.stop), []).append((tp, pp, name, offset))
-                    offset += seg.length
+        for dp in range(trainer.data_parallel_size):
+            for tp in range(trainer.tensor_parallel_size):
+                key = (tp, pp, dp % trainer.expert_replica_span)
+                if key not in shards_of:
+                    shards_of[key] = L.megatron_shards(spec, trainer, tp, pp, key[2])
+                for name, shard in shards_of[key].items():
+                    if name == "output_layer.weight" and spec.tie_word_embeddings:
+                        continue  # a copy of the embedding on the last stage: the first stage sends it
+                    offset = 0
+                    for seg in shard.segments:
+                        if seg.hf_name is not None:
+                            ranges[seg.hf_name].setdefault((seg.start, seg.stop), []).append(
+                                (trainer.rank(dp, pp, tp), name, offset))
+                        offset += seg.length
     return {h: sorted((a, b, holders) for (a, b), holders in r.items()) for h, r in ranges.items()}
 
 
@@ -137,7 +145,7 @@ def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayou
     gtp = generator.tensor_parallel_size
     # Pieces of one replica, per generator TP rank (the same for every replica): (runtime name, dst offset,
     # length, dim, row_numel, [(tp, pp, megatron name, src offset)]).
-    runtime_by_tp = {j: L.sglang_shards(spec, gtp, j) for j in range(gtp)}
+    runtime_by_tp = {j: L.sglang_shards(spec, gtp, j, generator.expert_parallel_size) for j in range(gtp)}
     template: dict[int, list] = {}
     quantized: set[str] = set()
     for j, tensors in runtime_by_tp.items():
@@ -158,7 +166,7 @@ def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayou
                     a, b = max(start, cursor), min(stop, seg.stop)
                     if a != cursor:
                         raise AssertionError(f"rows {cursor}:{a} of {seg.hf_name} are held by no trainer rank")
-                    sources = [(tp, pp, n, off + a - start) for tp, pp, n, off in holders]
+                    sources = [(rank, n, off + a - start) for rank, n, off in holders]
                     tensor_rows.append((name, dst_offset + a - seg.start, b - a, shard.dim, row_numel, size, sources))
                     cursor = b
                 dst_offset += seg.length
@@ -178,9 +186,7 @@ def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayou
             for name, dst_offset, length, dim, row_numel, _size, sources in template[j]:
                 quantize = name in quantized
                 nbytes = piece_nbytes(length, row_numel, quantize, trainer.dtype_bytes)
-                candidates = [(trainer.rank(dp, pp, tp), n, off) for tp, pp, n, off in sources
-                              for dp in range(trainer.data_parallel_size)]
-                src, src_tensor, src_offset = min(candidates, key=lambda c: (sent[c[0]], c[0]))
+                src, src_tensor, src_offset = min(sources, key=lambda c: (sent[c[0]], c[0]))
                 sent[src] += nbytes
                 pieces.append(Piece(src, dst, src_tensor, src_offset, name, dst_offset, length, dim, row_numel,
                                     quantize, nbytes))

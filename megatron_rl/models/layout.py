@@ -20,7 +20,16 @@ Layout facts encoded here (checked against Megatron-Core 0.16 and SGLang 0.5):
   multiple of 64 and then splits evenly across TP ranks.
 - Megatron's local spec keeps norms as separate modules; the Transformer-Engine spec fuses them into the
   following linear layer (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`): `TrainerLayout`'s
-  `transformer_impl` decides which names every consumer uses.
+  `transformer_impl` decides which names every consumer uses. Qwen3's per-head q/k norms are
+  `self_attention.q_layernorm` / `k_layernorm` (Megatron) and `self_attn.q_norm` / `k_norm` (HF, SGLang).
+- Experts (mixture-of-experts models): Megatron's router `mlp.router.weight` is replicated; expert parallelism
+  (EP) gives each EP rank E / EP whole experts, numbered locally (`mlp.experts.local_experts.j` in the local spec,
+  `mlp.experts.linear_fc1.weight{j}` in Transformer Engine's grouped GEMM), and expert tensor parallelism (ETP)
+  splits each expert's fc1 ([gate; up] per ETP rank) and fc2 like a dense MLP. The trainer's EP x ETP ranks are
+  carved out of its TP x DP ranks in Megatron-Core's expert order (ETP fastest, then EP). SGLang with
+  `--ep-size` k on TP n gives each group of n / k consecutive TP ranks E / k experts, each split n / k ways;
+  the built-in engine holds the same rows as one 2-D tensor per expert (`experts.{e}.gate_up_proj`,
+  `experts.{e}.down_proj`, global expert numbers) where SGLang stacks them into `w13_weight` / `w2_weight`.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from megatron_rl.models.spec import ModelSpec
+from megatron_rl.models.spec import ARCHITECTURES, ModelSpec
 
 SGLANG_VOCAB_PADDING = 64
 
@@ -71,8 +80,32 @@ def hf_layer(i: int) -> str:
     return f"model.layers.{i}"
 
 
+@dataclasses.dataclass(frozen=True)
+class MoENames:
+    """HF names of one layer's mixture of experts (Qwen3-MoE `mlp.experts.E.gate_proj`, Mixtral
+    `block_sparse_moe.experts.E.w1`)."""
+
+    module: str  # e.g. model.layers.3.mlp
+    router: str
+    gate: str
+    up: str
+    down: str
+
+    @property
+    def router_weight(self) -> str:
+        return f"{self.module}.{self.router}.weight"
+
+    def expert(self, e: int, which: str) -> str:
+        return f"{self.module}.experts.{e}.{getattr(self, which)}.weight"
+
+
+def hf_moe_names(spec: ModelSpec, layer: int) -> MoENames:
+    module, router, gate, up, down = ARCHITECTURES[spec.arch]["moe_names"]
+    return MoENames(f"{hf_layer(layer)}.{module}", router, gate, up, down)
+
+
 def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the HF checkpoint with its shape."""
+    """Every tensor of the HF checkpoint (the hub's per-expert names) with its shape."""
     h, f, v, d = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
@@ -85,10 +118,22 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             f"{p}.self_attn.v_proj.weight": (kv, h),
             f"{p}.self_attn.o_proj.weight": (h, q),
             f"{p}.post_attention_layernorm.weight": (h,),
-            f"{p}.mlp.gate_proj.weight": (f, h),
-            f"{p}.mlp.up_proj.weight": (f, h),
-            f"{p}.mlp.down_proj.weight": (h, f),
         })
+        if spec.qk_layernorm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
+        if spec.is_moe:
+            moe, fe = hf_moe_names(spec, i), spec.moe_ffn_hidden_size
+            shapes[moe.router_weight] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                shapes.update({moe.expert(e, "gate"): (fe, h), moe.expert(e, "up"): (fe, h),
+                               moe.expert(e, "down"): (h, fe)})
+        else:
+            shapes.update({
+                f"{p}.mlp.gate_proj.weight": (f, h),
+                f"{p}.mlp.up_proj.weight": (f, h),
+                f"{p}.mlp.down_proj.weight": (h, f),
+            })
         if spec.qkv_bias:
             shapes.update({
                 f"{p}.self_attn.q_proj.bias": (q,),
@@ -153,8 +198,17 @@ def _sglang_qkv(spec: ModelSpec, prefix: str, suffix: str, tp: int, rank: int) -
     )
 
 
-def _gate_up(prefix: str, f: int, tp: int, rank: int) -> tuple[Segment, ...]:
-    return _chunk(f"{prefix}.gate_proj.weight", f, tp, rank) + _chunk(f"{prefix}.up_proj.weight", f, tp, rank)
+def _gate_up(gate: str, up: str, f: int, tp: int, rank: int) -> tuple[Segment, ...]:
+    return _chunk(gate, f, tp, rank) + _chunk(up, f, tp, rank)
+
+
+def _dense_gate_up(prefix: str, f: int, tp: int, rank: int) -> tuple[Segment, ...]:
+    return _gate_up(f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight", f, tp, rank)
+
+
+def _experts_of(spec: ModelSpec, ep: int, ep_rank: int) -> range:
+    per = spec.num_experts // ep
+    return range(ep_rank * per, (ep_rank + 1) * per)
 
 
 def _layout(name: str, dim: int, segments: tuple[Segment, ...], other: int | None) -> ShardLayout:
@@ -170,7 +224,7 @@ def _validate_tp(spec: ModelSpec, tp: int, who: str, allow_kv_replication: bool)
     problems = []
     if spec.num_attention_heads % tp:
         problems.append(f"num_attention_heads {spec.num_attention_heads}")
-    if spec.ffn_hidden_size % tp:
+    if spec.ffn_hidden_size % tp and not spec.is_moe:
         problems.append(f"ffn_hidden_size {spec.ffn_hidden_size}")
     kv = spec.num_key_value_heads
     if allow_kv_replication:
@@ -181,6 +235,20 @@ def _validate_tp(spec: ModelSpec, tp: int, who: str, allow_kv_replication: bool)
     if problems:
         flag = "--tensor-model-parallel-size" if who == "trainer" else "--rollout-tensor-parallel-size"
         raise ValueError(f"{who} TP={tp} ({flag}) does not divide model {spec.name!r}: {', '.join(problems)}")
+
+
+def _validate_experts(spec: ModelSpec, ep: int, etp: int, ep_flag: str, etp_flag: str) -> None:
+    if ep < 1 or etp < 1:
+        raise ValueError(f"{ep_flag} and {etp_flag} must be >= 1, got {ep} and {etp}")
+    if not spec.is_moe:
+        if ep > 1:
+            raise ValueError(f"{ep_flag} {ep}: model {spec.name!r} has no experts")
+        return
+    if spec.num_experts % ep:
+        raise ValueError(f"{ep_flag} {ep} does not divide model {spec.name!r} num_experts {spec.num_experts}")
+    if spec.moe_ffn_hidden_size % etp:
+        raise ValueError(f"{etp_flag} {etp} does not divide model {spec.name!r} moe_ffn_hidden_size "
+                         f"{spec.moe_ffn_hidden_size}")
 
 
 # ---- the two layouts of a run ------------------------------------------------------------------------------------
@@ -213,6 +281,24 @@ class TrainerLayout:
     recompute_granularity: str | None = None  # "full" | "selective"
     recompute_method: str | None = None  # "uniform" | "block" (full recompute)
     recompute_num_layers: int | None = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: the TP size (Megatron-Core's default)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_parallel_size
+
+    def expert_ranks(self, dp: int, tp: int) -> tuple[int, int]:
+        """(EP rank, expert-TP rank) of the trainer rank (dp, tp) of any stage: Megatron-Core lays the expert
+        groups over the same TP x DP ranks of a stage, expert-TP fastest, then EP."""
+        local = tp + self.tensor_parallel_size * dp
+        return (local // self.expert_tp) % self.expert_model_parallel_size, local % self.expert_tp
+
+    @property
+    def expert_replica_span(self) -> int:
+        """How many data-parallel ranks (dp = 0, 1, ...) it takes, with all TP ranks, to hold every expert
+        shard once: 1 without expert parallelism."""
+        return max(1, self.expert_model_parallel_size * self.expert_tp // self.tensor_parallel_size)
 
     @property
     def model_parallel_size(self) -> int:
@@ -231,7 +317,11 @@ class TrainerLayout:
         return (pp * self.data_parallel_size + dp) * self.tensor_parallel_size + tp
 
     def describe(self) -> str:
-        return f"trainer TP={self.tensor_parallel_size} PP={self.pipeline_parallel_size} DP={self.data_parallel_size}"
+        experts = ""
+        if self.expert_model_parallel_size > 1 or self.expert_tp != self.tensor_parallel_size:
+            experts = f" EP={self.expert_model_parallel_size} ETP={self.expert_tp}"
+        return (f"trainer TP={self.tensor_parallel_size} PP={self.pipeline_parallel_size} "
+                f"DP={self.data_parallel_size}{experts}")
 
     def stage_sizes(self, spec: ModelSpec) -> list[int]:
         """Decoder layers of each pipeline stage, Megatron-Core's rule: the stages without a count of their own
@@ -278,6 +368,13 @@ class TrainerLayout:
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"--transformer-impl {self.transformer_impl!r}: choose one of {TRANSFORMER_IMPLS}")
         _validate_tp(spec, self.tensor_parallel_size, "trainer", allow_kv_replication=False)
+        _validate_experts(spec, self.expert_model_parallel_size, self.expert_tp, "--expert-model-parallel-size",
+                          "--expert-tensor-parallel-size")
+        group = self.expert_model_parallel_size * self.expert_tp
+        if (self.tensor_parallel_size * self.data_parallel_size) % group:
+            raise ValueError(f"--expert-model-parallel-size {self.expert_model_parallel_size} x "
+                             f"--expert-tensor-parallel-size {self.expert_tp} must divide TP x DP = "
+                             f"{self.tensor_parallel_size} x {self.data_parallel_size} ({self.describe()})")
         self.stage_sizes(spec)
 
 
@@ -290,6 +387,7 @@ class GeneratorLayout:
     num_replicas: int = 1
     fp8: bool = False
     first_rank: int = 0  # global rank of replica 0, TP rank 0
+    expert_parallel_size: int = 1  # SGLang's --ep-size: experts split over groups of TP / EP ranks
 
     @property
     def world_size(self) -> int:
@@ -299,15 +397,16 @@ class GeneratorLayout:
         return self.first_rank + replica * self.tensor_parallel_size + tp
 
     def describe(self) -> str:
-        return (f"generator TP={self.tensor_parallel_size} x {self.num_replicas} replicas"
-                f"{' FP8' if self.fp8 else ''}")
+        return (f"generator TP={self.tensor_parallel_size}"
+                f"{f' EP={self.expert_parallel_size}' if self.expert_parallel_size > 1 else ''} x "
+                f"{self.num_replicas} replicas{' FP8' if self.fp8 else ''}")
 
     def validate(self, spec: ModelSpec) -> None:
         for flag, value in (("--rollout-tensor-parallel-size", self.tensor_parallel_size),
                             ("--rollout-num-replicas", self.num_replicas)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        sglang_shards(spec, self.tensor_parallel_size, 0)
+        sglang_shards(spec, self.tensor_parallel_size, 0, self.expert_parallel_size)
 
 
 def balanced_edge_stages(num_layers: int, pipeline_parallel_size: int) -> tuple[int | None, int | None]:
@@ -323,8 +422,10 @@ def balanced_edge_stages(num_layers: int, pipeline_parallel_size: int) -> tuple[
     return rest - rest // 2, rest // 2
 
 
-def megatron_shards(spec: ModelSpec, layout: TrainerLayout, tp_rank: int, pp_rank: int) -> dict[str, ShardLayout]:
-    """Every parameter of Megatron rank (tp_rank, pp_rank), by its local Megatron name."""
+def megatron_shards(spec: ModelSpec, layout: TrainerLayout, tp_rank: int, pp_rank: int,
+                    dp_rank: int = 0) -> dict[str, ShardLayout]:
+    """Every parameter of Megatron rank (tp_rank, pp_rank, dp_rank), by its local Megatron name. The DP rank
+    matters only with expert parallelism: it picks the rank's experts."""
     layout.validate(spec)
     tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
     h, f = spec.hidden_size, spec.ffn_hidden_size
@@ -350,8 +451,23 @@ def megatron_shards(spec: ModelSpec, layout: TrainerLayout, tp_rank: int, pp_ran
             add(f"{m}.self_attention.linear_qkv.bias", 0, _megatron_qkv(spec, attn, "bias", tp, tp_rank), None)
         add(f"{m}.self_attention.linear_proj.weight", 1,
             _chunk(f"{attn}.o_proj.weight", spec.num_attention_heads * spec.head_dim, tp, tp_rank), h)
+        if spec.qk_layernorm:
+            add(f"{m}.self_attention.q_layernorm.weight", 0, _whole(f"{attn}.q_norm.weight", spec.head_dim), None)
+            add(f"{m}.self_attention.k_layernorm.weight", 0, _whole(f"{attn}.k_norm.weight", spec.head_dim), None)
+        if spec.is_moe:
+            add(f"{m}.pre_mlp_layernorm.weight", 0, _whole(f"{p}.post_attention_layernorm.weight", h), None)
+            moe, fe, etp = hf_moe_names(spec, i), spec.moe_ffn_hidden_size, layout.expert_tp
+            add(f"{m}.mlp.router.weight", 0, _whole(moe.router_weight, spec.num_experts), h)
+            ep_rank, etp_rank = layout.expert_ranks(dp_rank, tp_rank)
+            for j, e in enumerate(_experts_of(spec, layout.expert_model_parallel_size, ep_rank)):
+                fc1, fc2 = ((f"{m}.mlp.experts.linear_fc1.weight{j}", f"{m}.mlp.experts.linear_fc2.weight{j}") if te
+                            else (f"{m}.mlp.experts.local_experts.{j}.linear_fc1.weight",
+                                  f"{m}.mlp.experts.local_experts.{j}.linear_fc2.weight"))
+                add(fc1, 0, _gate_up(moe.expert(e, "gate"), moe.expert(e, "up"), fe, etp, etp_rank), h)
+                add(fc2, 1, _chunk(moe.expert(e, "down"), fe, etp, etp_rank), h)
+            continue
         add(norm2, 0, _whole(f"{p}.post_attention_layernorm.weight", h), None)
-        add(f"{m}.mlp.linear_fc1.weight", 0, _gate_up(f"{p}.mlp", f, tp, tp_rank), h)
+        add(f"{m}.mlp.linear_fc1.weight", 0, _dense_gate_up(f"{p}.mlp", f, tp, tp_rank), h)
         add(f"{m}.mlp.linear_fc2.weight", 1, _chunk(f"{p}.mlp.down_proj.weight", f, tp, tp_rank), h)
     if last:
         add("decoder.final_layernorm.weight", 0, _whole("model.norm.weight", h), None)
@@ -372,9 +488,21 @@ def sglang_padded_vocab(spec: ModelSpec, tp: int) -> int:
     return padded
 
 
-def sglang_shards(spec: ModelSpec, tp: int, tp_rank: int) -> dict[str, ShardLayout]:
-    """Every runtime parameter of SGLang TP rank `tp_rank`, by SGLang's fused runtime names."""
+def generator_experts(spec: ModelSpec, tp: int, tp_rank: int, ep: int = 1) -> tuple[range, int, int]:
+    """(the global experts of generator TP rank `tp_rank`, its expert-TP size, its expert-TP rank) with SGLang's
+    --ep-size `ep`: consecutive groups of TP / EP ranks share E / EP experts, each split TP / EP ways."""
+    if tp % ep:
+        raise ValueError(f"--rollout-expert-parallel-size {ep} must divide --rollout-tensor-parallel-size {tp}")
+    moe_tp = tp // ep
+    return _experts_of(spec, ep, tp_rank // moe_tp), moe_tp, tp_rank % moe_tp
+
+
+def sglang_shards(spec: ModelSpec, tp: int, tp_rank: int, ep: int = 1) -> dict[str, ShardLayout]:
+    """Every runtime parameter of SGLang TP rank `tp_rank` (of `ep` expert-parallel groups), by SGLang's fused
+    runtime names (experts: one tensor per expert, see the module docstring)."""
     _validate_tp(spec, tp, "generator", allow_kv_replication=True)
+    _validate_experts(spec, ep, tp // ep if tp % ep == 0 else 1, "--rollout-expert-parallel-size",
+                      "--rollout-tensor-parallel-size / --rollout-expert-parallel-size")
     h, f = spec.hidden_size, spec.ffn_hidden_size
     padded = sglang_padded_vocab(spec, tp)
     out: dict[str, ShardLayout] = {}
@@ -391,8 +519,21 @@ def sglang_shards(spec: ModelSpec, tp: int, tp_rank: int) -> dict[str, ShardLayo
             add(f"{p}.self_attn.qkv_proj.bias", 0, _sglang_qkv(spec, f"{p}.self_attn", "bias", tp, tp_rank), None)
         add(f"{p}.self_attn.o_proj.weight", 1,
             _chunk(f"{p}.self_attn.o_proj.weight", spec.num_attention_heads * spec.head_dim, tp, tp_rank), h)
+        if spec.qk_layernorm:
+            for norm in ("q_norm", "k_norm"):
+                add(f"{p}.self_attn.{norm}.weight", 0, _whole(f"{p}.self_attn.{norm}.weight", spec.head_dim), None)
         add(f"{p}.post_attention_layernorm.weight", 0, _whole(f"{p}.post_attention_layernorm.weight", h), None)
-        add(f"{p}.mlp.gate_up_proj.weight", 0, _gate_up(f"{p}.mlp", f, tp, tp_rank), h)
+        if spec.is_moe:
+            moe, fe = hf_moe_names(spec, i), spec.moe_ffn_hidden_size
+            experts, moe_tp, moe_rank = generator_experts(spec, tp, tp_rank, ep)
+            add(moe.router_weight, 0, _whole(moe.router_weight, spec.num_experts), h)
+            for e in experts:
+                add(f"{moe.module}.experts.{e}.gate_up_proj.weight", 0,
+                    _gate_up(moe.expert(e, "gate"), moe.expert(e, "up"), fe, moe_tp, moe_rank), h)
+                add(f"{moe.module}.experts.{e}.down_proj.weight", 1, _chunk(moe.expert(e, "down"), fe, moe_tp, moe_rank),
+                    h)
+            continue
+        add(f"{p}.mlp.gate_up_proj.weight", 0, _dense_gate_up(f"{p}.mlp", f, tp, tp_rank), h)
         add(f"{p}.mlp.down_proj.weight", 1, _chunk(f"{p}.mlp.down_proj.weight", f, tp, tp_rank), h)
     add("model.norm.weight", 0, _whole("model.norm.weight", h), None)
     if not spec.tie_word_embeddings:

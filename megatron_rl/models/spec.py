@@ -1,7 +1,14 @@
-"""Decoder architectures as data: the Llama-3 family, Qwen2/2.5, and tiny test sizes.
+"""Decoder architectures as data: Llama-3, Qwen2/2.5, Qwen3, Mistral, and the mixture-of-experts Qwen3-MoE and
+Mixtral, with tiny test sizes.
 
 A `ModelSpec` is everything needed to build the Megatron-Core model, the HF config, and the generator's
 runtime layout. The real sizes are those of the public HF `config.json` files of each model.
+
+Architecture differences are fields, not branches: `kv_channels` (a head size independent of hidden / heads,
+Qwen3), `qk_layernorm` (RMSNorm of each query and key head, Qwen3), `sliding_window` (Mistral), `qkv_bias`
+(Qwen2), and `num_experts` > 0 for a mixture of experts in every layer (a softmax router choosing
+`moe_router_topk` SwiGLU experts of size `moe_ffn_hidden_size`, their weights renormalized to sum to one when
+`moe_norm_topk_prob`; Mixtral's softmax over the top-k logits is the same thing).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     name: str
-    arch: str  # "llama" or "qwen2"
+    arch: str  # a key of ARCHITECTURES
     hidden_size: int
     num_layers: int
     num_attention_heads: int
@@ -29,11 +36,26 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     max_position_embeddings: int = 4096
+    kv_channels: int | None = None  # head size when it is not hidden_size // num_attention_heads (Qwen3)
+    qk_layernorm: bool = False
+    sliding_window: int | None = None  # each token attends to itself and the sliding_window - 1 before it
+    num_experts: int = 0  # 0: a dense SwiGLU MLP in every layer
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    moe_norm_topk_prob: bool = True
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"model {self.name!r}: unknown arch {self.arch!r}; known: {sorted(ARCHITECTURES)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.is_moe != ARCHITECTURES[self.arch]["moe"]:
+            raise ValueError(f"model {self.name!r}: arch {self.arch!r} "
+                             f"{'needs' if ARCHITECTURES[self.arch]['moe'] else 'takes no'} num_experts")
+        if self.is_moe and not (0 < self.moe_router_topk <= self.num_experts and self.moe_ffn_hidden_size > 0):
+            raise ValueError(f"model {self.name!r}: a mixture of experts needs 0 < moe_router_topk "
+                             f"({self.moe_router_topk}) <= num_experts ({self.num_experts}) and moe_ffn_hidden_size > 0")
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
+            object.__setattr__(self, "kv_channels", None)  # one spelling of the default head size
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model {self.name!r}: hidden_size {self.hidden_size} is not divisible by "
                 f"num_attention_heads {self.num_attention_heads}"
@@ -49,7 +71,11 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -60,21 +86,33 @@ class ModelSpec:
         multiple = divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def num_parameters(self) -> int:
-        """Parameter count of the unpadded HF model."""
-        h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
-        kv = self.num_key_value_heads * self.head_dim
-        attn = h * h * 2 + h * kv * 2 + (h + 2 * kv if self.qkv_bias else 0)
-        layer = attn + 3 * h * f + 2 * h
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameter count of the unpadded HF model; `active`: only the experts one token runs through."""
+        h, v = self.hidden_size, self.vocab_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attn = 2 * h * q + 2 * h * kv + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_layernorm
+                                                                                   else 0)
+        if self.is_moe:
+            experts = self.moe_router_topk if active else self.num_experts
+            mlp = self.num_experts * h + experts * 3 * h * self.moe_ffn_hidden_size
+        else:
+            mlp = 3 * h * self.ffn_hidden_size
+        layer = attn + mlp + 2 * h
         return self.num_layers * layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
     WEIGHT_FIELDS = ("arch", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
-                     "ffn_hidden_size", "vocab_size", "qkv_bias", "tie_word_embeddings")
+                     "ffn_hidden_size", "vocab_size", "qkv_bias", "tie_word_embeddings", "kv_channels", "qk_layernorm",
+                     "num_experts", "moe_ffn_hidden_size")
 
     def weight_fields(self) -> dict[str, Any]:
         """The fields that decide every weight's name and shape: two models whose weights can replace each
-        other's agree on all of them (checkpoints, generators and DDMA plans compare these)."""
-        return {f: getattr(self, f) for f in self.WEIGHT_FIELDS}
+        other's agree on all of them (checkpoints, generators and DDMA plans compare these). Fields at their
+        dense-Llama default are left out, so that records written before a field existed still compare equal."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return {f: getattr(self, f) for f in self.WEIGHT_FIELDS
+                if f not in self.ADDED_WEIGHT_FIELDS or getattr(self, f) != defaults[f]}
+
+    ADDED_WEIGHT_FIELDS = ("kv_channels", "qk_layernorm", "num_experts", "moe_ffn_hidden_size")
 
     def replace(self, **changes) -> ModelSpec:
         return dataclasses.replace(self, **changes)
@@ -98,10 +136,22 @@ class ModelSpec:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
-        if self.arch == "llama":
+        if self.arch in ("llama", "qwen3", "qwen3_moe"):
             config["attention_bias"] = self.qkv_bias
+        if self.arch == "llama":
             config["mlp_bias"] = False
+        if self.arch != "qwen2":
             config["head_dim"] = self.head_dim
+        if self.arch in ("qwen3", "qwen3_moe"):
+            config["use_sliding_window"] = self.sliding_window is not None
+        config["sliding_window"] = self.sliding_window
+        if self.arch == "qwen3_moe":
+            config.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_ffn_hidden_size,
+                          num_experts_per_tok=self.moe_router_topk, norm_topk_prob=self.moe_norm_topk_prob,
+                          decoder_sparse_step=1, mlp_only_layers=[])
+        elif self.arch == "mixtral":
+            config.update(num_local_experts=self.num_experts, num_experts_per_tok=self.moe_router_topk)
+            config["intermediate_size"] = self.moe_ffn_hidden_size
         if self.rope_scaling is not None:
             config["rope_scaling"] = dict(self.rope_scaling)
         return config
@@ -121,10 +171,10 @@ class ModelSpec:
             raise ValueError(f"config.json is missing required field(s) {missing}")
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        if head_dim * heads != config["hidden_size"]:
+        if head_dim * heads != config["hidden_size"] and not ARCHITECTURES[arch]["head_dim"]:
             raise ValueError(
-                f"config.json field 'head_dim' = {head_dim}: only head_dim * num_attention_heads == hidden_size "
-                f"({config['hidden_size']}) is supported"
+                f"config.json field 'head_dim' = {head_dim}: {model_type} needs head_dim * num_attention_heads == "
+                f"hidden_size ({config['hidden_size']})"
             )
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json field 'hidden_act' = {config['hidden_act']!r}: only 'silu' is supported")
@@ -141,6 +191,10 @@ class ModelSpec:
         rope_theta = config.get("rope_theta")
         if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
             rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        sliding_window = config.get("sliding_window")
+        if arch in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window"):
+            sliding_window = None  # Qwen configs carry a window that is off unless use_sliding_window
+        moe = _moe_fields(arch, config)
         return cls(
             name=name or config.get("_name_or_path") or model_type,
             arch=arch,
@@ -156,12 +210,44 @@ class ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
+            kv_channels=head_dim if head_dim * heads != config["hidden_size"] else None,
+            qk_layernorm=arch in ("qwen3", "qwen3_moe"),
+            sliding_window=sliding_window,
+            **moe,
         )
 
 
+def _moe_fields(arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral config.json ({} for a dense architecture)."""
+    if not ARCHITECTURES[arch]["moe"]:
+        return {}
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if not experts:
+        raise ValueError(f"config.json of a {arch} model has no 'num_experts' / 'num_local_experts'")
+    if arch == "mixtral":
+        return dict(num_experts=experts, moe_ffn_hidden_size=config["intermediate_size"],
+                    moe_router_topk=config.get("num_experts_per_tok", 2), moe_norm_topk_prob=True)
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise ValueError("config.json fields 'mlp_only_layers' / 'decoder_sparse_step': only models with experts in "
+                         "every layer are supported")
+    if config.get("shared_expert_intermediate_size"):
+        raise ValueError("config.json field 'shared_expert_intermediate_size': shared experts are not supported")
+    return dict(num_experts=experts, moe_ffn_hidden_size=config["moe_intermediate_size"],
+                moe_router_topk=config.get("num_experts_per_tok", 8),
+                moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+
+
+# model_type and class of each HF architecture; "head_dim": whether head_dim may differ from hidden / heads;
+# "moe": experts in every layer; "moe_names": (the MLP module, its router, the expert gate, up and down weights).
 ARCHITECTURES = {
-    "llama": {"model_type": "llama", "hf_class": "LlamaForCausalLM"},
-    "qwen2": {"model_type": "qwen2", "hf_class": "Qwen2ForCausalLM"},
+    "llama": {"model_type": "llama", "hf_class": "LlamaForCausalLM", "head_dim": True, "moe": False},
+    "qwen2": {"model_type": "qwen2", "hf_class": "Qwen2ForCausalLM", "head_dim": False, "moe": False},
+    "qwen3": {"model_type": "qwen3", "hf_class": "Qwen3ForCausalLM", "head_dim": True, "moe": False},
+    "mistral": {"model_type": "mistral", "hf_class": "MistralForCausalLM", "head_dim": True, "moe": False},
+    "qwen3_moe": {"model_type": "qwen3_moe", "hf_class": "Qwen3MoeForCausalLM", "head_dim": True, "moe": True,
+                  "moe_names": ("mlp", "gate", "gate_proj", "up_proj", "down_proj")},
+    "mixtral": {"model_type": "mixtral", "hf_class": "MixtralForCausalLM", "head_dim": True, "moe": True,
+                "moe_names": ("block_sparse_moe", "gate", "w1", "w3", "w2")},
 }
 
 _LLAMA31_ROPE = {
@@ -172,7 +258,10 @@ _LLAMA31_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
-# Sizes from the public HF configs (meta-llama/Llama-3.1-{8B,70B,405B}, Qwen/Qwen2.5-{0.5B,7B}).
+_QWEN3 = dict(norm_eps=1e-6, kv_channels=128, qk_layernorm=True, max_position_embeddings=40960)
+
+# Sizes from the public HF configs (meta-llama/Llama-3.1-{8B,70B,405B}, Qwen/Qwen2.5-{0.5B,7B},
+# Qwen/Qwen3-{8B,30B-A3B,235B-A22B}, mistralai/Mistral-7B-v0.3, mistralai/Mixtral-8x7B-v0.1).
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in [
@@ -186,10 +275,26 @@ MODELS: dict[str, ModelSpec] = {
                   tie_word_embeddings=True, qkv_bias=True, max_position_embeddings=32768),
         ModelSpec("qwen2.5-7b", "qwen2", 3584, 28, 28, 4, 18944, 152064, 1000000.0, None, 1e-6,
                   qkv_bias=True, max_position_embeddings=32768),
+        ModelSpec("qwen3-8b", "qwen3", 4096, 36, 32, 8, 12288, 151936, 1000000.0, **_QWEN3),
+        ModelSpec("qwen3-30b-a3b", "qwen3_moe", 2048, 48, 32, 4, 6144, 151936, 1000000.0, **_QWEN3,
+                  num_experts=128, moe_ffn_hidden_size=768, moe_router_topk=8),
+        ModelSpec("qwen3-235b-a22b", "qwen3_moe", 4096, 94, 64, 4, 12288, 151936, 1000000.0, **_QWEN3,
+                  num_experts=128, moe_ffn_hidden_size=1536, moe_router_topk=8),
+        ModelSpec("mistral-7b", "mistral", 4096, 32, 32, 8, 14336, 32768, 1000000.0, max_position_embeddings=32768),
+        ModelSpec("mixtral-8x7b", "mixtral", 4096, 32, 32, 8, 14336, 32000, 1000000.0, max_position_embeddings=32768,
+                  num_experts=8, moe_ffn_hidden_size=14336, moe_router_topk=2),
         # Test and CPU-demo sizes.
         ModelSpec("tiny-llama", "llama", 64, 2, 4, 2, 128, 128, max_position_embeddings=256),
         ModelSpec("tiny-qwen2", "qwen2", 64, 2, 4, 2, 128, 128, norm_eps=1e-6, qkv_bias=True,
                   max_position_embeddings=256),
+        ModelSpec("tiny-qwen3", "qwen3", 64, 2, 4, 2, 128, 128, norm_eps=1e-6, kv_channels=32, qk_layernorm=True,
+                  max_position_embeddings=256),
+        ModelSpec("tiny-mistral", "mistral", 64, 2, 4, 2, 128, 128, sliding_window=8, max_position_embeddings=256),
+        ModelSpec("tiny-qwen3-moe", "qwen3_moe", 64, 2, 4, 2, 128, 128, norm_eps=1e-6, kv_channels=32,
+                  qk_layernorm=True, max_position_embeddings=256, num_experts=4, moe_ffn_hidden_size=32,
+                  moe_router_topk=2),
+        ModelSpec("tiny-mixtral", "mixtral", 64, 2, 4, 2, 32, 128, max_position_embeddings=256, num_experts=4,
+                  moe_ffn_hidden_size=32, moe_router_topk=2),
     ]
 }
 
