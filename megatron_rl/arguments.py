@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grouped-query attention with --num-query-groups key/value heads (Megatron-LM's pair)")
     g.add_argument("--num-query-groups", type=int, help="key/value heads; needs --group-query-attention")
     g.add_argument("--max-position-embeddings", type=int, help="override the architecture's maximum positions")
+    g.add_argument("--kv-channels", type=int, help="head size, when not --hidden-size / --num-attention-heads")
+    g.add_argument("--qk-layernorm", action="store_true", help="RMSNorm of each query and key head (Qwen3)")
+    g.add_argument("--num-experts", type=int,
+                   help="a mixture of experts in every layer (a Llama/Mistral becomes Mixtral-style, a Qwen3 "
+                        "Qwen3-MoE-style)")
+    g.add_argument("--moe-router-topk", type=int, help="experts per token")
+    g.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's SwiGLU hidden size")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
                    help="Megatron-Core layer spec: Megatron's local modules, or Transformer Engine's (GPU; its fused "
@@ -56,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert parallelism (EP): each EP rank holds num_experts / EP whole experts; EP x expert-TP "
+                        "ranks are carved out of the trainer's TP x DP ranks")
+    g.add_argument("--expert-tensor-parallel-size", type=int,
+                   help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron-Core sequence parallelism over the tensor-parallel group (norms and dropout on "
@@ -162,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "run stops")
     g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
     g.add_argument("--rollout-num-replicas", type=int, default=1)
+    g.add_argument("--rollout-expert-parallel-size", type=int, default=1,
+                   help="SGLang's --ep-size: each generator replica's experts split over this many groups of its "
+                        "TP ranks")
     g.add_argument("--rollout-fp8", action="store_true", help="generators serve block-FP8 weights")
     g.add_argument("--rollout-temperature", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)

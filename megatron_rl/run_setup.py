@@ -131,12 +131,29 @@ def model_spec(args, tokenizer) -> ModelSpec:
                                    ("ffn_hidden_size", args.ffn_hidden_size),
                                    ("num_attention_heads", args.num_attention_heads),
                                    ("num_key_value_heads", args.num_query_groups),
-                                   ("max_position_embeddings", args.max_position_embeddings)) if v is not None}
-    spec = spec.replace(**overrides) if overrides else spec
+                                   ("max_position_embeddings", args.max_position_embeddings),
+                                   ("kv_channels", args.kv_channels), ("num_experts", args.num_experts),
+                                   ("moe_router_topk", args.moe_router_topk),
+                                   ("moe_ffn_hidden_size", args.moe_ffn_hidden_size)) if v is not None}
+    if args.qk_layernorm:
+        overrides["qk_layernorm"] = True
+    if args.num_experts and spec.arch in MOE_VARIANT:
+        overrides["arch"] = MOE_VARIANT[spec.arch]
+    if args.num_experts and not spec.is_moe:  # a dense architecture becomes a mixture: defaults for the rest
+        overrides.setdefault("moe_router_topk", min(2, args.num_experts))
+        overrides.setdefault("moe_ffn_hidden_size", spec.ffn_hidden_size)
+    try:
+        spec = spec.replace(**overrides) if overrides else spec
+    except ValueError as e:
+        raise ValueError(f"--model {spec.name!r} with the architecture flags given: {e}") from None
     if len(tokenizer) > spec.vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens but model {spec.name!r} has vocab_size "
                          f"{spec.vocab_size}")
     return spec
+
+
+# The mixture-of-experts form of each dense architecture, for --num-experts.
+MOE_VARIANT = {"llama": "mixtral", "mistral": "mixtral", "qwen3": "qwen3_moe"}
 
 
 def layouts(args, world_size: int) -> tuple[TrainerLayout, GeneratorLayout]:
@@ -154,8 +171,11 @@ def layouts(args, world_size: int) -> tuple[TrainerLayout, GeneratorLayout]:
                             args.transformer_impl, args.decoder_first_pipeline_num_layers,
                             args.decoder_last_pipeline_num_layers, dtype_bytes=2 if args.bf16 else 4,
                             sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
-                            recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers)
-    generator = GeneratorLayout(gtp, replicas, args.rollout_fp8, first_rank=trainer_world)
+                            recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+                            expert_model_parallel_size=args.expert_model_parallel_size,
+                            expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+    generator = GeneratorLayout(gtp, replicas, args.rollout_fp8, first_rank=trainer_world,
+                                expert_parallel_size=args.rollout_expert_parallel_size)
     return trainer, generator
 
 
