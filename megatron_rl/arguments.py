@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mask-truncated", action="store_true",
                    help="responses cut off by the length limit keep their reward in their group's baseline but "
                         "carry no gradient (all-false loss mask)")
+    g.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="rollout routing replay (R3, mixture-of-experts models): the generator records each token's "
+                        "top-k experts in every layer and the trainer's forward passes use exactly those")
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", "--data-path", dest="prompt_data", metavar="PATH",
@@ -367,8 +370,15 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                  "--global-batch-size", "--rollout-tensor-parallel-size", "--rollout-num-replicas",
                  "--n-samples-per-prompt", "--rollout-max-response-len", "--reward-timeout",
                  "--async-alternate-steps", "--recompute-num-layers", "--lr-wsd-decay-iters",
-                 "--max-position-embeddings"):
+                 "--max-position-embeddings", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+                 "--rollout-expert-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+                 "--kv-channels"):
         positive(flag)
+    if args.use_rollout_routing_replay and args.recompute_granularity == "full" and \
+            args.pipeline_model_parallel_size > 1:
+        parser.error("--use-rollout-routing-replay with --recompute-granularity full needs "
+                     "--pipeline-model-parallel-size 1 (a recomputed layer would replay the routes of a later "
+                     "micro-batch)")
     if args.global_batch_size % args.n_samples_per_prompt:
         parser.error(f"--global-batch-size {args.global_batch_size} is not a multiple of --n-samples-per-prompt "
                      f"{args.n_samples_per_prompt}")

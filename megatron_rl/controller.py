@@ -258,11 +258,12 @@ class Controller:
         """The step's batch; with --use-kl-in-reward the trainer computes the reference log-probs first and the
         KL shapes the rewards (`TrainBatch.from_groups`)."""
         args = self.args
+        replay = args.use_rollout_routing_replay
         if not args.use_kl_in_reward:
-            return TrainBatch.from_groups(groups, args.advantage_estimator, args.mask_truncated)
+            return TrainBatch.from_groups(groups, args.advantage_estimator, args.mask_truncated, routing_replay=replay)
         return TrainBatch.from_groups(groups, args.advantage_estimator, args.mask_truncated,
                                       reference=lambda batch: self.trainer.command("ref_logprobs", batch),
-                                      kl_coef=args.kl_coef, kl_estimator=args.kl_loss_type)
+                                      kl_coef=args.kl_coef, kl_estimator=args.kl_loss_type, routing_replay=replay)
 
     def rl_step(self, step: int, run_start: float) -> dict:
         ahead, times, start = self.is_async_step(step), StepTimes(), time.perf_counter()

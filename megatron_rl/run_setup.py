@@ -214,6 +214,8 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     spec = model_spec(args, tokenizer)
     trainer, generator = layouts(args, world_size)
     validate_plan(spec, trainer, generator)  # both layouts against the model, and against each other
+    if getattr(args, "use_rollout_routing_replay", False) and not spec.is_moe:
+        raise ValueError(f"--use-rollout-routing-replay: model {spec.name!r} has no experts to route")
     check_megatron_config(spec, trainer)
     per_step = trainer.data_parallel_size * args.micro_batch_size
     if args.global_batch_size % per_step:

@@ -26,6 +26,8 @@ class TrainBatch:
     behavior_logprobs: torch.Tensor  # [N, L-1] float: mu's log-prob of tokens[:, t+1] (0 where masked)
     advantages: torch.Tensor  # [N] float
     ref_logprobs: torch.Tensor | None = None  # [N, L-1] the reference policy's log-probs, for the KL penalty
+    # [N, L, num_layers, topk] int16: the experts the generator routed each token to (rollout routing replay)
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -65,12 +67,35 @@ class TrainBatch:
         blp[resp_rows, resp_cols] = torch.tensor([v for lp in behavior_logprobs for v in lp], dtype=torch.float32)
         return cls(tokens, mask, blp, torch.tensor(advantages, dtype=torch.float32))
 
+    def with_routes(self, routes: Sequence[Sequence[Sequence[Sequence[int]]]]) -> TrainBatch:
+        """This batch with each row's recorded routes ([tokens][layers][topk] expert ids, for the row's prompt and
+        response tokens: a generator may leave out the last sampled token, which it never ran through the model).
+        Positions without a route (that last token, padding) get experts 0..topk-1: they are causally after every
+        position a loss is computed at, so they change no trained log-prob."""
+        if len(routes) != len(self):
+            raise ValueError(f"routed experts for {len(routes)} rollouts, the batch has {len(self)}")
+        first = next((r for r in routes if r), None)
+        if first is None:
+            raise ValueError("rollout routing replay: no rollout carries routed experts (is the model a mixture "
+                             "of experts, and does the generator record them?)")
+        num_layers, topk = len(first[0]), len(first[0][0])
+        n, length = self.tokens.shape
+        out = torch.arange(topk, dtype=torch.int16).expand(n, length, num_layers, topk).clone()
+        for i, r in enumerate(routes):
+            if r is None:
+                raise ValueError(f"rollout {i} of the batch has no routed experts")
+            if len(r) > length:
+                raise ValueError(f"rollout {i}: routes for {len(r)} tokens, the batch has {length} positions")
+            out[i, :len(r)] = torch.tensor(r, dtype=torch.int16)
+        return dataclasses.replace(self, routed_experts=out)
+
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def rows(self, index: slice) -> TrainBatch:
         return TrainBatch(self.tokens[index], self.loss_mask[index], self.behavior_logprobs[index],
-                          self.advantages[index], None if self.ref_logprobs is None else self.ref_logprobs[index])
+                          self.advantages[index], None if self.ref_logprobs is None else self.ref_logprobs[index],
+                          None if self.routed_experts is None else self.routed_experts[index])
 
     def padded(self, multiple: int) -> TrainBatch:
         """The same batch right-padded to a sequence length that is a multiple of `multiple` (padding is masked)."""
@@ -80,20 +105,25 @@ class TrainBatch:
 
         def pad(t):
             return None if t is None else torch.nn.functional.pad(t, (0, extra))
+
+        routes = self.routed_experts
+        if routes is not None:  # padding positions route to experts 0..topk-1 (see with_routes)
+            n, _, layers, topk = routes.shape
+            routes = torch.cat([routes, torch.arange(topk, dtype=routes.dtype).expand(n, extra, layers, topk)], 1)
         return TrainBatch(pad(self.tokens), pad(self.loss_mask), pad(self.behavior_logprobs), self.advantages,
-                          pad(self.ref_logprobs))
+                          pad(self.ref_logprobs), routes)
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """The same batch on `device` (the trainer's): every tensor moved, none copied when already there."""
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
         return TrainBatch(move(self.tokens), move(self.loss_mask), move(self.behavior_logprobs),
-                          move(self.advantages), move(self.ref_logprobs))
+                          move(self.advantages), move(self.ref_logprobs), move(self.routed_experts))
 
     @classmethod
     def from_groups(cls, groups: list[list], advantage_estimator: str, mask_truncated: bool = False,
                     reference: Callable[[TrainBatch], torch.Tensor] | None = None, kl_coef: float = 0.0,
-                    kl_estimator: str = "k1") -> TrainBatch:
+                    kl_estimator: str = "k1", routing_replay: bool = False) -> TrainBatch:
         """Buffer groups (lists of `buffer.Rollout`, one list per prompt) with advantages within each group.
 
         `mask_truncated` (--mask-truncated): a rollout cut off by the length limit (finish_reason "length") keeps
@@ -102,7 +132,9 @@ class TrainBatch:
         The KL in the reward (--use-kl-in-reward): `reference(batch)` gives the reference log-probs of the packed
         rollouts ([N, L-1], kept as the batch's `ref_logprobs`), and each reward is reduced by `kl_coef` x the
         rollout's per-token KL summed over its response (`kl_reward_penalty`, with the behavior log-probs: the
-        policy that sampled it) before the advantages, as verl's `apply_kl_penalty` does."""
+        policy that sampled it) before the advantages, as verl's `apply_kl_penalty` does.
+
+        `routing_replay` (--use-rollout-routing-replay): the batch carries each rollout's recorded routes."""
         rollouts = [r for g in groups for r in g]
         rewards = torch.tensor([r.reward.reward for r in rollouts], dtype=torch.float32)
         group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g])
@@ -113,6 +145,8 @@ class TrainBatch:
              for o, cut in zip(outputs, truncated)]
         batch = cls.from_sequences([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
                                    [o.logprobs for o in outputs], [0.0] * len(rollouts), masks)
+        if routing_replay:
+            batch = batch.with_routes([o.routed_experts for o in outputs])
         if reference is not None:
             batch.ref_logprobs = reference(batch)
             rewards = rewards - kl_reward_penalty(batch.behavior_logprobs, batch.ref_logprobs, batch.loss_mask,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_rl.models.layout import TrainerLayout
 from megatron_rl.models.spec import ModelSpec
+from megatron_rl.trainer import routing_replay
 from megatron_rl.trainer.model import build_gpt_model, transformer_config
 
 
@@ -120,11 +121,15 @@ def run_microbatches(
     (mbs, seq_length), = shapes
     num_mb = len(microbatches)
     scale = num_mb * ps.get_data_parallel_world_size()
+    if any("routed_experts" in mb for mb in microbatches) and not all("routed_experts" in mb for mb in microbatches):
+        raise ValueError("rollout routing replay needs routes for every micro-batch or none")
 
     def forward_step(data_iterator: Iterable, model):
         mb = next(data_iterator)
         ids = mb["input_ids"]
         position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        if "routed_experts" in mb:  # rollout routing replay: this forward uses the generator's experts
+            routing_replay.replay(model, mb["routed_experts"], model.config.sequence_parallel)
         logits = model(ids, position_ids, None)
 
         def loss_func(output):
@@ -133,15 +138,20 @@ def run_microbatches(
 
         return logits, loss_func
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=[policy.model if isinstance(policy, Policy) else policy],
-        num_microbatches=num_mb,
-        seq_length=seq_length,
-        micro_batch_size=mbs,
-        forward_only=forward_only,
-    )
+    model = policy.model if isinstance(policy, Policy) else policy
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=num_mb,
+            seq_length=seq_length,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+        )
+    finally:
+        if "routed_experts" in microbatches[0]:
+            routing_replay.stop_replay(model)
 
 
 @torch.no_grad()

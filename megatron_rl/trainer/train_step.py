@@ -80,6 +80,8 @@ class PolicyTrainer:
                   "width": batch.tokens.shape[1] - 1}
             if part.ref_logprobs is not None:
                 mb["ref_logprobs"] = part.ref_logprobs
+            if part.routed_experts is not None:
+                mb["routed_experts"] = part.routed_experts
             out.append(mb)
         return out
 
