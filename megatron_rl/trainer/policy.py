@@ -54,6 +54,7 @@ def build_policy(
     init_weights: Callable[[torch.nn.Module], None] | None = None,
     device: torch.device | str | None = None,
     use_cpu_initialization: bool = False,
+    routing_replay: bool = False,
 ) -> Policy:
     """Build this rank's model shard on `device` (default: the current CUDA device, else the CPU), wrap it in
     Megatron DDP and create Megatron's optimizer.
@@ -61,7 +62,8 @@ def build_policy(
     bf16 follows Megatron: bf16 parameters and compute, gradients reduced and accumulated in fp32 (`main_grad`),
     fp32 main parameters and Adam states in the optimizer. `init_weights(module)` runs before the DDP wrapper
     copies parameters into its buffers (e.g. loading HF weights). The weights are initialized on the CPU first
-    when `use_cpu_initialization` or `device` is the CPU.
+    when `use_cpu_initialization` or `device` is the CPU. `routing_replay`: the MoE routers can replay recorded
+    routes (`trainer.routing_replay`).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -70,8 +72,9 @@ def build_policy(
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     dtype = torch.bfloat16 if bf16 else torch.float32
+    replay = {"moe_enable_routing_replay": True} if routing_replay else {}
     config = transformer_config(spec, layout, params_dtype=dtype,
-                                use_cpu_initialization=use_cpu_initialization or device.type == "cpu")
+                                use_cpu_initialization=use_cpu_initialization or device.type == "cpu", **replay)
     module = build_gpt_model(spec, layout, config).to(device)  # a no-op for weights made on the device
     if init_weights is not None:
         init_weights(module)

@@ -29,7 +29,9 @@ class ReferenceModel:
         self.spec, self.layout, self.device = policy.spec, policy.layout, policy.device
         config = transformer_config(policy.spec, policy.layout, params_dtype=policy.config.params_dtype,
                                     use_cpu_initialization=policy.config.use_cpu_initialization,
-                                    perform_initialization=False)  # every weight is overwritten before use
+                                    perform_initialization=False,  # every weight is overwritten before use
+                                    # with routing replay, the reference routes each token as the generator did too
+                                    moe_enable_routing_replay=policy.config.moe_enable_routing_replay)
         self.module = build_gpt_model(policy.spec, policy.layout, config).to(policy.device)
         self.module.eval().requires_grad_(False)
         self.source: str | None = None
