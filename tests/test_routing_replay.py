@@ -1,0 +1,141 @@
+"""Rollout routing replay (R3) in the trainer: Megatron-Core's forward uses exactly the routes it is given.
+
+The independent reference is `transformers`' Qwen3-MoE with its routers forced to the same experts (its router's
+top-k replaced by the given indices, the weights its own softmax of those experts' scores, renormalized as the
+config says). fp32; log-probs agree to 2e-5 (Megatron and HF sum the experts' outputs in different orders).
+"""
+
+import dataclasses
+import tempfile
+
+import pytest
+import torch
+
+from megatron_rl.launch import run_on_ranks
+from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.models.spec import get_model_spec
+from megatron_rl.trainer.batch import TrainBatch
+
+SPEC = get_model_spec("tiny-qwen3-moe")
+TEMPERATURE = 1.0
+
+
+def _batch(spec):
+    g = torch.Generator().manual_seed(3)
+    lengths = [(3, 6), (5, 2), (2, 9), (4, 4)]
+    prompts = [torch.randint(0, spec.vocab_size, (p,), generator=g).tolist() for p, _ in lengths]
+    responses = [torch.randint(0, spec.vocab_size, (r,), generator=g).tolist() for _, r in lengths]
+    return TrainBatch.from_sequences(prompts, responses, [[0.0] * r for _, r in lengths], [1.0, -1.0, 0.5, -0.5])
+
+
+def _random_routes(spec, batch, seed):
+    """Distinct random top-k experts for every token and layer: [N, L, layers, topk]."""
+    g = torch.Generator().manual_seed(seed)
+    n, length = batch.tokens.shape
+    scores = torch.rand(n, length, spec.num_layers, spec.num_experts, generator=g)
+    return scores.argsort(-1)[..., :spec.moe_router_topk].to(torch.int16)
+
+
+def _hf_logprobs(model, batch, routes):
+    """transformers' log-probs of tokens[:, 1:], every router forced to `routes` (None: its own top-k)."""
+    import torch.nn.functional as F
+
+    originals = []
+    if routes is not None:
+        for i, layer in enumerate(model.model.layers):
+            gate = layer.mlp.gate
+            forced = routes[:, :, i].reshape(-1, routes.shape[-1]).long()  # HF flattens [b, s]
+
+            def forward(hidden, gate=gate, forced=forced):
+                logits = F.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+                weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, forced)
+                if gate.norm_topk_prob:
+                    weights = weights / weights.sum(-1, keepdim=True)
+                return logits, weights.to(logits.dtype), forced
+
+            originals.append((gate, gate.forward))
+            gate.forward = forward
+    try:
+        with torch.no_grad():
+            logits = model(batch.tokens).logits.float() / TEMPERATURE
+    finally:
+        for gate, fn in originals:
+            gate.forward = fn
+    lp = torch.log_softmax(logits[:, :-1], -1)
+    return lp.gather(-1, batch.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def _replay_rank(spec, hf_dir, routes_other):
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from megatron_rl.algorithms import AlgorithmConfig
+    from megatron_rl.models.safetensors_io import HFCheckpoint
+    from megatron_rl.trainer import parallel, routing_replay
+    from megatron_rl.trainer.policy import build_policy
+    from megatron_rl.trainer.train_step import PolicyTrainer
+    from megatron_rl.trainer.weights import load_hf_weights
+
+    layout = TrainerLayout(1, 1, 1, dtype_bytes=4)
+    parallel.initialize(layout, spec)
+    policy = build_policy(spec, layout, routing_replay=True,
+                          init_weights=lambda m: load_hf_weights(m, spec, layout, HFCheckpoint(hf_dir).get_slice))
+    trainer = PolicyTrainer(policy, AlgorithmConfig(loss="aipo", temperature=TEMPERATURE), micro_batch_size=2)
+    batch = _batch(spec)
+    own = trainer.compute_logprobs(batch)
+
+    # The model's own routes, recorded by Megatron: replaying them must change nothing, bit for bit.
+    model = policy.module
+    for _, router in routing_replay.routers(model):
+        router.set_router_replay_action(RouterReplayAction.RECORD)
+    with torch.no_grad():
+        model(batch.tokens, torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens), None)
+    recorded = [router.get_recorded_indices() for _, router in routing_replay.routers(model)]
+    routing_replay.stop_replay(model)
+    n, length = batch.tokens.shape
+    own_routes = torch.stack([r.view(length, n, -1).transpose(0, 1) for r in recorded], 2).to(torch.int16)
+    replayed_own = trainer.compute_logprobs(dataclasses.replace(batch, routed_experts=own_routes))
+    replayed_other = trainer.compute_logprobs(dataclasses.replace(batch, routed_experts=routes_other))
+    after = trainer.compute_logprobs(batch)  # replay is off again once the pass is over
+    parallel.destroy()
+    return {"own": own, "own_routes": own_routes, "replayed_own": replayed_own, "replayed_other": replayed_other,
+            "after": after}
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_replayed_routes_equal_transformers_forced_to_the_same_experts(norm_topk_prob):
+    from megatron_rl.models.hf import save_random_hf_model
+
+    spec = SPEC.replace(moe_norm_topk_prob=norm_topk_prob)
+    batch = _batch(spec)
+    other = _random_routes(spec, batch, seed=11)
+    with tempfile.TemporaryDirectory() as hf_dir:
+        hf = save_random_hf_model(spec, hf_dir, seed=5)
+        out, = run_on_ranks(_replay_rank, 1, spec, hf_dir, other)
+        expected_own = _hf_logprobs(hf, batch, None)
+        expected_other = _hf_logprobs(hf, batch, other)
+    mask = batch.loss_mask
+    torch.testing.assert_close(out["own"][mask], expected_own[mask], atol=2e-5, rtol=0)
+    assert torch.equal(out["replayed_own"], out["own"])  # the model's own routes: the same computation
+    torch.testing.assert_close(out["replayed_other"][mask], expected_other[mask], atol=2e-5, rtol=0)
+    assert (out["replayed_other"] - out["own"])[mask].abs().max() > 1e-2  # the replay really changed the routes
+    assert torch.equal(out["after"], out["own"])
+    # Megatron's own routes are HF's own top-k: both models route each token to the same experts.
+    with torch.no_grad():
+        router_logits = hf(batch.tokens, output_router_logits=True).router_logits
+    hf_routes = [logits.topk(spec.moe_router_topk, -1).indices.view(*batch.tokens.shape, -1) for logits in router_logits]
+    assert torch.equal(out["own_routes"].sort(-1).values.long(), torch.stack(hf_routes, 2).sort(-1).values)
+
+
+def test_with_routes_pads_positions_without_a_route():
+    batch = _batch(SPEC)
+    k, layers = SPEC.moe_router_topk, SPEC.num_layers
+    routes = [[[[(t + layer + j) % SPEC.num_experts for j in range(k)] for layer in range(layers)]
+               for t in range(p + r - 1)]  # the generator never ran the last sampled token
+              for p, r in zip([3, 5, 2, 4], [6, 2, 9, 4])]
+    out = batch.with_routes(routes).padded(8)
+    assert out.routed_experts.shape == (4, 16, layers, k)
+    assert out.routed_experts[0, 7].tolist() == routes[0][7]
+    assert out.routed_experts[0, 8:].tolist() == [[list(range(k))] * layers] * 8  # last token and padding
+    assert out.rows(slice(1, 2)).routed_experts[0, 5].tolist() == routes[1][5]
+    with pytest.raises(ValueError, match="rollout 2 of the batch has no routed experts"):
+        batch.with_routes([routes[0], routes[1], None, routes[3]])
