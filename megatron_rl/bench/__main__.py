@@ -1,4 +1,4 @@
-"""python -m megatron_rl.bench {async,ddma,engine,trainer,reward,fp8,all} [--quick]: one JSON object per benchmark,
+"""python -m megatron_rl.bench {async,ddma,engine,trainer,reward,r3,fp8,all} [--quick]: one JSON object per benchmark,
 and as the last line one object with all of them (`all` runs every benchmark but fp8 and gpu, which need a GPU)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-BENCHMARKS = ("async", "ddma", "engine", "trainer", "reward")
+BENCHMARKS = ("async", "ddma", "engine", "trainer", "reward", "r3")
 GPU_ONLY = ("fp8", "gpu")
 
 
