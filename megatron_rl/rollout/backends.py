@@ -59,7 +59,8 @@ def build_local_engine(setup: RunSetup, roles: Roles) -> Engine:
     args = setup.args
     decoder = TPDecoder(setup.spec, setup.generator.tensor_parallel_size, roles.rollout_tp_rank, roles.replica_group,
                         dtype=torch.bfloat16 if args.bf16 else torch.float32, fp8=setup.generator.fp8,
-                        max_slots=args.rollout_max_running + 1, max_seq_len=args.seq_length, device=roles.device)
+                        max_slots=args.rollout_max_running + 1, max_seq_len=args.seq_length, device=roles.device,
+                        ep_size=setup.generator.expert_parallel_size)
     return LocalEngine(decoder, eos_token_ids=setup.stop_token_ids, seed=args.seed,
                        chunk_tokens=args.partial_rollout_max_tokens)
 
