@@ -530,8 +530,8 @@ def sglang_shards(spec: ModelSpec, tp: int, tp_rank: int, ep: int = 1) -> dict[s
             for e in experts:
                 add(f"{moe.module}.experts.{e}.gate_up_proj.weight", 0,
                     _gate_up(moe.expert(e, "gate"), moe.expert(e, "up"), fe, moe_tp, moe_rank), h)
-                add(f"{moe.module}.experts.{e}.down_proj.weight", 1, _chunk(moe.expert(e, "down"), fe, moe_tp, moe_rank),
-                    h)
+                add(f"{moe.module}.experts.{e}.down_proj.weight", 1,
+                    _chunk(moe.expert(e, "down"), fe, moe_tp, moe_rank), h)
             continue
         add(f"{p}.mlp.gate_up_proj.weight", 0, _dense_gate_up(f"{p}.mlp", f, tp, tp_rank), h)
         add(f"{p}.mlp.down_proj.weight", 1, _chunk(f"{p}.mlp.down_proj.weight", f, tp, tp_rank), h)

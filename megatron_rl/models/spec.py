@@ -52,7 +52,8 @@ class ModelSpec:
                              f"{'needs' if ARCHITECTURES[self.arch]['moe'] else 'takes no'} num_experts")
         if self.is_moe and not (0 < self.moe_router_topk <= self.num_experts and self.moe_ffn_hidden_size > 0):
             raise ValueError(f"model {self.name!r}: a mixture of experts needs 0 < moe_router_topk "
-                             f"({self.moe_router_topk}) <= num_experts ({self.num_experts}) and moe_ffn_hidden_size > 0")
+                             f"({self.moe_router_topk}) <= num_experts ({self.num_experts}) and "
+                             "moe_ffn_hidden_size > 0")
         if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
             object.__setattr__(self, "kv_channels", None)  # one spelling of the default head size
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:

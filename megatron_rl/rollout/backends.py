@@ -59,7 +59,8 @@ def build_local_engine(setup: RunSetup, roles: Roles) -> Engine:
     args = setup.args
     decoder = TPDecoder(setup.spec, setup.generator.tensor_parallel_size, roles.rollout_tp_rank, roles.replica_group,
                         dtype=torch.bfloat16 if args.bf16 else torch.float32, fp8=setup.generator.fp8,
-                        max_slots=args.rollout_max_running + 1, max_seq_len=args.seq_length, device=roles.device)
+                        max_slots=args.rollout_max_running + 1, max_seq_len=args.seq_length, device=roles.device,
+                        ep_size=setup.generator.expert_parallel_size)
     return LocalEngine(decoder, eos_token_ids=setup.stop_token_ids, seed=args.seed,
                        chunk_tokens=args.partial_rollout_max_tokens)
 
@@ -69,6 +70,10 @@ def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:
     weights, never served: the first DDMA publish brings the policy) on the GPUs of the replica's ranks, or
     attaches to --rollout-server-urls."""
     args = setup.args
+    if setup.spec.is_moe:  # SGLang's direct weight loading would not find the per-expert runtime tensors
+        raise ValueError(f"--rollout-backend sglang does not serve mixture-of-experts models yet (model "
+                         f"{setup.spec.name!r}): DDMA sends one runtime tensor per expert (experts.E.gate_up_proj), "
+                         "where SGLang stacks them (experts.w13_weight / w2_weight); use --rollout-backend local")
     if importlib.util.find_spec("sglang") is None:
         raise RuntimeError("--rollout-backend sglang: the sglang package is not installed in this environment "
                            "(on CPU: bash tools/sglang_cpu/setup_env.sh, then run with .venv-sglang/bin/python)")

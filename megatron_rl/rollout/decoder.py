@@ -1,9 +1,25 @@
-"""The built-in engine's decoder: Llama / Qwen2 over a TP group, holding SGLang's runtime parameters.
+"""The built-in engine's decoder: Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE and Mixtral over a TP group, holding
+SGLang's runtime parameters.
 
 Each TP rank holds exactly what an SGLang TP rank holds (names and shapes from `models.layout.sglang_shards`):
 fused `qkv_proj` = [q_r; k_r; v_r], `gate_up_proj` = [gate_r; up_r], row-parallel `o_proj` / `down_proj`,
-vocab-parallel `embed_tokens` / `lm_head` (padded to 64), replicated norms. Weight updates therefore arrive
-in the layout DDMA sends to SGLang.
+vocab-parallel `embed_tokens` / `lm_head` (padded to 64), replicated norms (Qwen3's per-head `q_norm` /
+`k_norm` too). Weight updates therefore arrive in the layout DDMA sends to SGLang.
+
+Architecture fields (`models.spec`): the head size is `spec.head_dim`; Qwen3's q/k norms are an RMSNorm over
+each query and key head before RoPE; Mistral's `sliding_window` W lets each position attend to itself and the
+W - 1 positions before it (a mask over the full KV cache, which keeps every position).
+
+Mixture of experts: the router (replicated) scores every token in fp32, softmax over all experts, top-k, the
+k weights renormalized to sum to one when `moe_norm_topk_prob`. With SGLang's --ep-size semantics
+(`layout.generator_experts`) a rank holds E / EP experts, each as its expert-TP slice ([gate; up] rows and
+`down_proj` columns); it runs its experts on the tokens routed to them, and the existing TP all-reduce of the
+MLP output sums the partial outputs of every rank (expert-TP slices and other ranks' experts alike). Every
+rank routes identically (same replicated router, same all-reduced input).
+
+Routes: a forward pass of a mixture-of-experts model leaves `last_routes`, int32 [S, T, layers, top-k]: for
+each of its tokens the experts chosen in each layer, i.e. the route that computed that position's hidden state
+(None for a dense model). The engine keeps them per request.
 
 KV cache: a fixed pool of slots [layers, slots, kv_heads_local, max_seq_len, head_dim]. A forward pass takes
 any set of slots, each with its own start position, so decode steps batch requests of different lengths
@@ -62,12 +78,18 @@ def _rotate_half(x):
 class TPDecoder:
     def __init__(self, spec: ModelSpec, tp_size: int = 1, tp_rank: int = 0, group=None,
                  dtype: torch.dtype = torch.float32, fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", ep_size: int = 1):
+        """`ep_size`: SGLang's --ep-size (--rollout-expert-parallel-size), which must divide `tp_size`."""
         self.spec, self.tp_size, self.tp_rank, self.group = spec, tp_size, tp_rank, group
         self.dtype, self.fp8, self.device = dtype, fp8, torch.device(device)
         # FP8 tensor-core GEMMs (row-wise scales) where the device has them; else dequantize to `dtype`.
         self.fp8_gemm = fp8 and fp8_gemm_supported(self.device)
-        self.layouts = L.sglang_shards(spec, tp_size, tp_rank)
+        self.ep_size = ep_size
+        self.layouts = L.sglang_shards(spec, tp_size, tp_rank, ep_size)
+        # This rank's experts (global numbers, consecutive) and each layer's MoE names.
+        self.experts = L.generator_experts(spec, tp_size, tp_rank, ep_size)[0] if spec.is_moe else range(0)
+        self.moe_names = [L.hf_moe_names(spec, i) for i in range(spec.num_layers)] if spec.is_moe else []
+        self.last_routes: torch.Tensor | None = None
         self._expected = self._expected_tensors()
         self.padded_vocab = L.sglang_padded_vocab(spec, tp_size)
         self.q_heads = spec.num_attention_heads // tp_size
@@ -157,6 +179,34 @@ class TPDecoder:
         variance = x.float().pow(2).mean(-1, keepdim=True)
         return (x.float() * torch.rsqrt(variance + self.spec.norm_eps)).to(self.dtype) * self._compute[name]
 
+    def _moe(self, h: torch.Tensor, layer: int, routes: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the mixture of experts of `layer` for h [S, T, H]: the sum over its experts of
+        routing weight x expert(h) for the tokens routed to each (the caller all-reduces it over the TP group).
+        Writes the chosen experts into routes[:, layer] ([S * T, layers, k])."""
+        spec, moe = self.spec, self.moe_names[layer]
+        k, flat = spec.moe_router_topk, h.reshape(-1, h.shape[-1])
+        logits = flat.float() @ self._compute[moe.router_weight].float().T
+        weights, chosen = torch.softmax(logits, -1).topk(k, dim=-1)
+        if spec.moe_norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        routes[:, layer] = chosen
+        # (token, choice) pairs grouped by expert: one host sync per layer for the group sizes
+        pairs = chosen.reshape(-1)
+        order = pairs.argsort(stable=True)
+        counts = torch.bincount(pairs, minlength=spec.num_experts).tolist()
+        weights = weights.reshape(-1)
+        out = torch.zeros_like(flat)
+        offset = sum(counts[:self.experts.start])
+        for e in self.experts:
+            if counts[e]:
+                pair = order[offset:offset + counts[e]]
+                token = pair // k
+                gate, up = self._linear(flat[token], f"{moe.module}.experts.{e}.gate_up_proj.weight").chunk(2, dim=-1)
+                y = self._linear(F.silu(gate) * up, f"{moe.module}.experts.{e}.down_proj.weight")
+                out.index_add_(0, token, y * weights[pair].unsqueeze(-1).to(y.dtype))
+            offset += counts[e]
+        return out.view_as(h)
+
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [S, T, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -166,7 +216,8 @@ class TPDecoder:
     @torch.no_grad()
     def forward(self, slots: list[int], tokens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """tokens [S, T] at positions starts[s] .. starts[s] + T - 1 of each slot; returns full-vocabulary
-        logits [S, T, vocab] (fp32). Caches K/V of these positions in the slots."""
+        logits [S, T, vocab] (fp32). Caches K/V of these positions in the slots. A mixture of experts leaves the
+        experts each token was routed to in `last_routes` [S, T, layers, k] (int32)."""
         spec, d = self.spec, self.spec.head_dim
         S, T = tokens.shape
         if int(starts.max()) + T > self.max_seq_len:
@@ -179,6 +230,10 @@ class TPDecoder:
         kv_len = int(positions.max()) + 1
         key_pos = torch.arange(kv_len, device=self.device)
         mask = key_pos.view(1, 1, 1, -1) <= positions.view(S, 1, T, 1)  # causal over the cached prefix
+        if spec.sliding_window is not None:  # itself and the sliding_window - 1 positions before it
+            mask &= key_pos.view(1, 1, 1, -1) > positions.view(S, 1, T, 1) - spec.sliding_window
+        routes = torch.empty(S * T, spec.num_layers, spec.moe_router_topk, dtype=torch.int32, device=self.device) \
+            if spec.is_moe else None
         q_size, kv_size = self.q_heads * d, self.kv_heads * d
         x = self._embed(tokens)
         for i in range(spec.num_layers):
@@ -188,8 +243,11 @@ class TPDecoder:
             if spec.qkv_bias:
                 qkv = qkv + self._compute[f"{p}.self_attn.qkv_proj.bias"]
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = self._rope(q.view(S, T, self.q_heads, d).transpose(1, 2), positions)
-            k = self._rope(k.view(S, T, self.kv_heads, d).transpose(1, 2), positions)
+            q, k = q.view(S, T, self.q_heads, d), k.view(S, T, self.kv_heads, d)
+            if spec.qk_layernorm:  # per head, before RoPE
+                q, k = self._norm(q, f"{p}.self_attn.q_norm.weight"), self._norm(k, f"{p}.self_attn.k_norm.weight")
+            q = self._rope(q.transpose(1, 2), positions)
+            k = self._rope(k.transpose(1, 2), positions)
             v = v.view(S, T, self.kv_heads, d).transpose(1, 2)
             if T == 1:  # decode: one vectorized write for all slots
                 self.k_cache[i, slot_index, :, starts] = k[:, :, 0]
@@ -210,8 +268,12 @@ class TPDecoder:
             attn = attn.transpose(1, 2).reshape(S, T, q_size)
             x = x + self._all_reduce(self._linear(attn, f"{p}.self_attn.o_proj.weight").contiguous())
             h = self._norm(x, f"{p}.post_attention_layernorm.weight")
+            if spec.is_moe:
+                x = x + self._all_reduce(self._moe(h, i, routes).contiguous())
+                continue
             gate, up = self._linear(h, f"{p}.mlp.gate_up_proj.weight").chunk(2, dim=-1)
             x = x + self._all_reduce(self._linear(F.silu(gate) * up, f"{p}.mlp.down_proj.weight").contiguous())
+        self.last_routes = None if routes is None else routes.view(S, T, spec.num_layers, spec.moe_router_topk)
         x = self._norm(x, "model.norm.weight")
         head = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
         logits = (x @ self._compute[head].T).float().contiguous()

@@ -44,10 +44,14 @@ class _Request:
     cached: int = 0  # tokens whose K/V are in the slot
     retractions: int = 0
     this_version: int = 0  # tokens generated under the current weights (for chunking)
+    # mixture of experts: int32 [n, layers, k] blocks, the routes of positions 0, 1, ... in order (None: dense)
+    routes: list[torch.Tensor] | None = None
 
     def output(self, reason: str) -> RolloutOutput:
+        routed = None if self.routes is None else \
+            (torch.cat(self.routes).tolist() if self.routes else [])
         return RolloutOutput(self.rid, list(self.prompt), list(self.generated), list(self.logprobs),
-                             list(self.versions), reason, self.retractions)
+                             list(self.versions), reason, self.retractions, routed_experts=routed)
 
 
 class LocalEngine:
@@ -55,7 +59,13 @@ class LocalEngine:
                  chunk_tokens: int | None = None):
         """`chunk_tokens`: a request that generated this many tokens under the current weights yields its slot
         (it waits, keeping its tokens, until the next weight update, or until nothing else is waiting), so
-        long generations do not hold back short ones: the paper's chunked partial rollouts."""
+        long generations do not hold back short ones: the paper's chunked partial rollouts.
+
+        A mixture-of-experts model's outputs carry `routed_experts` (see `RolloutOutput`): each position's
+        experts as the decoder routed them when it computed that position. A request whose KV cache is dropped
+        (retract, a chunk boundary) is prefilled again on resuming, and the routes of all its positions are
+        replaced by that prefill's, computed by the weights it resumes under (as SGLang does); with "in_place"
+        the positions computed before the update keep the old weights' routes, as they keep their KV cache."""
         self.decoder = decoder
         self.spec = decoder.spec
         self.eos_token_ids = tuple(eos_token_ids)
@@ -76,8 +86,9 @@ class LocalEngine:
     @classmethod
     def from_hf(cls, hf_dir: str, tp_size: int = 1, group=None, dtype: torch.dtype = torch.float32,
                 fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512, seed: int = 0,
-                chunk_tokens: int | None = None, device: torch.device | str = "cpu") -> LocalEngine:
-        """Load an HF checkpoint. tp_size > 1: call on every rank of `group` (default: the whole world)."""
+                chunk_tokens: int | None = None, device: torch.device | str = "cpu", ep_size: int = 1) -> LocalEngine:
+        """Load an HF checkpoint (hub names; experts one tensor each). tp_size > 1: call on every rank of `group`
+        (default: the whole world). `ep_size`: --rollout-expert-parallel-size (SGLang's --ep-size)."""
         ckpt = HFCheckpoint(hf_dir)
         spec = ModelSpec.from_hf_config(ckpt.config)
         tp_rank = 0
@@ -89,7 +100,7 @@ class LocalEngine:
                 raise ValueError(f"--rollout-tensor-parallel-size {tp_size} does not match the engine group's "
                                  f"size {group_size}")
             tp_rank = dist.get_rank(group)
-        decoder = TPDecoder(spec, tp_size, tp_rank, group, dtype, fp8, max_slots, max_seq_len, device)
+        decoder = TPDecoder(spec, tp_size, tp_rank, group, dtype, fp8, max_slots, max_seq_len, device, ep_size)
         params: dict[str, torch.Tensor] = {}
         for name, lay in decoder.layouts.items():
             decoder.load(name, L.assemble(lay, ckpt.get_slice), params)
@@ -111,7 +122,8 @@ class LocalEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else hash((self.seed, rid)) & 0x7FFFFFFF
         generator = torch.Generator().manual_seed(seed)
-        self._queue.append(_Request(rid, list(prompt_token_ids), params, generator))
+        self._queue.append(_Request(rid, list(prompt_token_ids), params, generator,
+                                    routes=[] if self.spec.is_moe else None))
         return rid
 
     def has_work(self) -> bool:
@@ -165,15 +177,21 @@ class LocalEngine:
             starts = torch.zeros(len(admitted), dtype=torch.long)
             logits = self.decoder.forward([r.slot for r in admitted], tokens, starts)
             next_logits.append(logits[torch.arange(len(admitted), device=last.device), last])
-            for r, t in zip(admitted, prefixes):
+            routes = self._routes()
+            for s, (r, t) in enumerate(zip(admitted, prefixes)):
                 r.cached = len(t)
+                if routes is not None:  # the prefill recomputed every position: its routes replace the old ones
+                    r.routes = [routes[s, :len(t)].clone()]
         decoding = sorted(self._running, key=lambda r: r.slot)
         if decoding:
             tokens = torch.tensor([[r.generated[-1]] for r in decoding])
             starts = torch.tensor([r.cached for r in decoding])
             next_logits.append(self.decoder.forward([r.slot for r in decoding], tokens, starts)[:, -1])
-            for r in decoding:
+            routes = self._routes()
+            for s, r in enumerate(decoding):
                 r.cached += 1
+                if routes is not None:
+                    r.routes.append(routes[s])
         self._running.extend(admitted)
         self._append(admitted + decoding, next_logits)
         still = []
@@ -191,6 +209,11 @@ class LocalEngine:
                 finished.append(r.output(reason))
         self._running = still
         return finished
+
+    def _routes(self) -> torch.Tensor | None:
+        """The last forward's routes on the CPU (one small int32 copy per step), or None for a dense model."""
+        routes = self.decoder.last_routes
+        return None if routes is None else routes.cpu()
 
     def _resume_deferred(self) -> None:
         for r in self._deferred:

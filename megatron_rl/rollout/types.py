@@ -67,3 +67,12 @@ class RolloutOutput:
     num_retractions: int = 0
     logprob_convention: str = LOGPROB_CONVENTION
     loss_mask: list[bool] | None = None  # per generated token; None: every token is a policy action
+    # Mixture-of-experts models (None for dense ones): the experts the generator routed each position to, for
+    # rollout routing replay (R3). routed_experts[t][l] = the top-k expert ids (global numbers, in the router's
+    # descending-probability order) chosen at layer l for the token at position t of prompt_token_ids +
+    # token_ids, i.e. the route that computed position t's hidden state; t covers every position the engine
+    # computed: prompt + generated - 1 positions for a finished request (the last generated token is sampled,
+    # never fed back, as in SGLang's return_routed_experts), possibly fewer for an aborted one. Shape
+    # [positions, num_layers, moe_router_topk]. The routes of a resumed (retracted) request are those of its
+    # re-prefill, by the weights it resumed under.
+    routed_experts: list[list[list[int]]] | None = None
