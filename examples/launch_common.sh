@@ -97,29 +97,38 @@ rendezvous_timeout_s() {
     echo $(( minutes * 30 ))
 }
 
-# run_llama3_aipo SIZE NODES REPLICAS [flags...]: the Llama-3.1 AIPO job of examples/run_{8b,70b,405b}_aipo.sh.
-# Layout, batch sizes and FP8 come from configs/llama3-SIZE.json; paths from the environment: HF_CHECKPOINT
-# (initial policy, HF format), CHECKPOINT_PATH (save/resume), DATA_PATH (JSONL prompts with answers),
-# TOKENIZER (HF tokenizer directory), OUTPUT_DIR. Extra flags override everything.
+# run_llama3_aipo SIZE NODES REPLICAS [flags...]: the Llama-3.1 AIPO job of examples/run_{8b,70b,405b}_aipo.sh,
+# configs/llama3-SIZE.json (see run_aipo).
 run_llama3_aipo() {
-    local size=$1 nodes=$2 replicas=$3
+    local size=$1
+    shift
+    run_aipo "llama3-$size" "$@"
+}
+
+# run_aipo CONFIG NODES REPLICAS [flags...]: the AIPO job of the examples/run_*_aipo.sh scripts on NODES nodes
+# (NNODES overrides) with REPLICAS generator replicas. Layout, batch sizes and FP8 come from configs/CONFIG.json;
+# paths from the environment: HF_CHECKPOINT (initial policy, HF format), CHECKPOINT_PATH (save/resume), DATA_PATH
+# (JSONL prompts with answers), TOKENIZER (HF tokenizer directory), OUTPUT_DIR. Extra flags override everything.
+run_aipo() {
+    local config=$1 nodes=$2 replicas=$3
     shift 3
     NNODES=${NNODES:-$nodes}
     GPUS_PER_NODE=${GPUS_PER_NODE:-8}
     MASTER_PORT=${MASTER_PORT:-6000}
     single_node_defaults localhost
-    local hf=${HF_CHECKPOINT:-/checkpoints/llama3-$size-hf}
-    local ckpt=${CHECKPOINT_PATH:-/checkpoints/llama3-$size-aipo}
+    local hf=${HF_CHECKPOINT:-/checkpoints/$config-hf}
+    local ckpt=${CHECKPOINT_PATH:-/checkpoints/$config-aipo}
     local data=${DATA_PATH:-/data/math/train.jsonl}
     local tokenizer=${TOKENIZER:-$hf}
-    local out=${OUTPUT_DIR:-outputs/llama3_${size}_aipo}
+    local name=${config//[-.]/_}
+    local out=${OUTPUT_DIR:-outputs/${name}_aipo}
 
-    local model_and_layout_args=(--config "llama3-$size" --rollout-num-replicas "$replicas")
+    local model_and_layout_args=(--config "$config" --rollout-num-replicas "$replicas")
     local checkpoint_args=(--load-hf "$hf" --save "$ckpt" --save-interval 20)
     local data_args=(--prompt-data "$data" --tokenizer "$tokenizer" --reward-fn math --reward-num-workers 16)
     local rl_args=(--loss aipo --async-mode on --advantage-estimator group-baseline --train-iters 500
                    --rollout-temperature 1.0 --rollout-top-p 1.0)
-    local logging_args=(--output-dir "$out" --wandb-project megatron-rl --wandb-exp-name "llama3-$size-aipo"
+    local logging_args=(--output-dir "$out" --wandb-project megatron-rl --wandb-exp-name "$config-aipo"
                         --tensorboard-dir "$out/tensorboard")
     launch "${model_and_layout_args[@]}" "${checkpoint_args[@]}" "${data_args[@]}" "${rl_args[@]}" \
         "${logging_args[@]}" "$@"

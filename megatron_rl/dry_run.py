@@ -4,12 +4,15 @@ checkpoint), the rank map, memory per GPU for trainer and generators, and the DD
 launch, not this machine: Transformer Engine or GPUs need not be here.
 
 Memory per GPU (weights, gradients and optimizer state; activations and the KV cache depend on batch and
-sequence and are not included): the trainer rank with the most parameters (exact shards from the layout
-mapping, vocabulary padding included) holds its weights (2 bytes in bf16, 4 in fp32), fp32 gradients (4) and
-Adam's fp32 main weights and two moments (12 in bf16, 8 in fp32), the latter divided by DP with the
-distributed optimizer; with --kl-coef, also the frozen reference model's weights (the same shard, in the same
-dtype). A generator TP rank holds its runtime weights: 1 byte per parameter of block-FP8 linear weights (plus
-their scales) and 2 bytes for the rest.
+sequence and are not included): the busiest trainer rank (the maximum over every pipeline stage, TP rank and, with
+expert parallelism, the data-parallel ranks that hold different experts; exact shards from the layout mapping,
+vocabulary padding included, and only the rank's own experts) holds its weights (2 bytes in bf16, 4 in fp32), fp32
+gradients (4) and Adam's fp32 main weights and two moments (12 in bf16, 8 in fp32). With the distributed optimizer
+the latter are split over the data-parallel group: DP ranks for the dense parameters, and for the experts the
+expert-data-parallel group of Megatron-Core, TP x DP / (EP x ETP) ranks (the ranks that hold the same expert
+shard). With --kl-coef, also the frozen reference model's weights (the same shard, in the same dtype). A generator
+TP rank (the busiest one, its experts only with --rollout-expert-parallel-size) holds its runtime weights: 1 byte
+per parameter of block-FP8 linear weights (plus their scales) and 2 bytes for the rest.
 """
 
 from __future__ import annotations
@@ -17,34 +20,64 @@ from __future__ import annotations
 import json
 import math
 
-from megatron_rl.ddma.plan import gather_broadcast_baseline, summarize
+from megatron_rl.ddma.plan import full_experts_baseline, gather_broadcast_baseline, summarize
 from megatron_rl.models import layout as L
 from megatron_rl.models.fp8 import is_fp8_weight, scale_shape
 
 GIB = 2**30
 
 
+def is_expert_param(megatron_name: str) -> bool:
+    """A Megatron expert weight (local spec `mlp.experts.local_experts.j.*`, Transformer Engine's grouped GEMM
+    `mlp.experts.linear_fc1.weightj`); the router is replicated and counts as dense."""
+    return ".mlp.experts." in megatron_name
+
+
+def expert_data_parallel_size(layout: L.TrainerLayout) -> int:
+    """Megatron-Core's expert-data-parallel size: the ranks of a stage holding the same expert shard."""
+    return layout.tensor_parallel_size * layout.data_parallel_size // (layout.expert_model_parallel_size
+                                                                       * layout.expert_tp)
+
+
 def trainer_memory(spec, layout: L.TrainerLayout, bf16: bool, distributed_optimizer: bool,
                    reference: bool = False) -> dict:
-    params = max(sum(s.numel for s in L.megatron_shards(spec, layout, 0, pp).values())
-                 for pp in range(layout.pipeline_parallel_size))
-    weights = params * (2 if bf16 else 4)
-    grads = params * 4
-    optimizer = params * (12 if bf16 else 8) / (layout.data_parallel_size if distributed_optimizer else 1)
+    weight_bytes, adam_bytes = (2, 12) if bf16 else (4, 8)
+    dp, edp = layout.data_parallel_size, expert_data_parallel_size(layout)
+    busiest = None
+    # Every stage and TP rank; with experts also the DP ranks that hold different ones (EP ranks repeat after
+    # expert_replica_span data-parallel ranks).
+    for pp in range(layout.pipeline_parallel_size):
+        for dp_rank in range(layout.expert_replica_span if spec.is_moe else 1):
+            for tp in range(layout.tensor_parallel_size):
+                shards = L.megatron_shards(spec, layout, tp, pp, dp_rank)
+                experts = sum(s.numel for n, s in shards.items() if is_expert_param(n))
+                dense = sum(s.numel for s in shards.values()) - experts
+                optimizer = (dense * adam_bytes / dp + experts * adam_bytes / edp if distributed_optimizer
+                             else (dense + experts) * adam_bytes)
+                params = dense + experts
+                total = params * (weight_bytes + 4 + (weight_bytes if reference else 0)) + optimizer
+                if busiest is None or total > busiest[0]:
+                    busiest = (total, params, experts, optimizer, (pp, tp, dp_rank))
+    total, params, experts, optimizer, (pp, tp, dp_rank) = busiest
+    weights = params * weight_bytes
     reference_weights = weights if reference else 0
-    return {"params": params, "weights_gib": weights / GIB, "grads_gib": grads / GIB,
-            "optimizer_gib": optimizer / GIB, "reference_gib": reference_weights / GIB,
-            "total_gib": (weights + grads + optimizer + reference_weights) / GIB}
+    return {"params": params, "expert_params": experts, "rank": layout.rank(dp_rank, pp, tp),
+            "expert_data_parallel": edp, "weights_gib": weights / GIB, "grads_gib": params * 4 / GIB,
+            "optimizer_gib": optimizer / GIB, "reference_gib": reference_weights / GIB, "total_gib": total / GIB}
 
 
-def generator_memory(spec, tp: int, fp8: bool) -> dict:
-    shards = L.sglang_shards(spec, tp, 0)
-    params = sum(s.numel for s in shards.values())
-    quantized = {n: s for n, s in shards.items() if fp8 and is_fp8_weight(n)}
-    fp8_params = sum(s.numel for s in quantized.values())
-    scales = sum(math.prod(scale_shape(s.shape)) for s in quantized.values())
-    total = fp8_params + scales * 4 + (params - fp8_params) * 2
-    return {"params": params, "weights_gib": total / GIB}
+def generator_memory(spec, tp: int, fp8: bool, ep: int = 1) -> dict:
+    busiest = None
+    for rank in range(tp):
+        shards = L.sglang_shards(spec, tp, rank, ep)
+        params = sum(s.numel for s in shards.values())
+        quantized = {n: s for n, s in shards.items() if fp8 and is_fp8_weight(n)}
+        fp8_params = sum(s.numel for s in quantized.values())
+        scales = sum(math.prod(scale_shape(s.shape)) for s in quantized.values())
+        total = fp8_params + scales * 4 + (params - fp8_params) * 2
+        if busiest is None or total > busiest["weights_gib"] * GIB:
+            busiest = {"params": params, "weights_gib": total / GIB, "tp_rank": rank}
+    return busiest
 
 
 def dry_run(args, world_size: int) -> dict:
@@ -78,25 +111,44 @@ def dry_run(args, world_size: int) -> dict:
     plan = setup.plan()
     ddma = summarize(plan)
     ddma["baseline"] = gather_broadcast_baseline(plan)
+    if spec.is_moe:
+        ddma["full_experts"] = full_experts_baseline(plan)
     gtp, replicas = generator.tensor_parallel_size, generator.num_replicas
     generator_ranks = [[generator.rank(r, 0), generator.rank(r, gtp - 1)] for r in range(replicas)]
+    trainer_map = {"ranks": [0, trainer.world_size - 1], "tensor_parallel": trainer.tensor_parallel_size,
+                   "pipeline_parallel": trainer.pipeline_parallel_size,
+                   "data_parallel": trainer.data_parallel_size,
+                   "pipeline_stage_layers": trainer.stage_sizes(spec),
+                   "transformer_impl": trainer.transformer_impl, "controller": 0}
+    generator_map = {"replicas": replicas, "tensor_parallel": gtp, "fp8": generator.fp8,
+                     "ranks": generator_ranks if replicas <= 8 else generator_ranks[:4] + ["..."]
+                     + generator_ranks[-2:]}
+    if spec.is_moe:
+        ep, etp = trainer.expert_model_parallel_size, trainer.expert_tp
+        trainer_map.update(expert_parallel=ep, expert_tensor_parallel=etp,
+                           expert_data_parallel=expert_data_parallel_size(trainer),
+                           experts_per_rank=spec.num_experts // ep,
+                           # TP x DP rank (dp, tp) of every stage -> its (EP, ETP) rank, Megatron-Core's order
+                           expert_ranks_of_dp0=[list(trainer.expert_ranks(0, t))
+                                                for t in range(trainer.tensor_parallel_size)],
+                           expert_ranks_repeat_every_dp=trainer.expert_replica_span)
+        gep = generator.expert_parallel_size
+        generator_map.update(expert_parallel=gep, experts_per_rank=spec.num_experts // gep,
+                             expert_tensor_parallel=gtp // gep)
     return {
         "model": spec.name, "parameters": spec.num_parameters(), "world_size": world_size,
+        "active_parameters": spec.num_parameters(active=True) if spec.is_moe else spec.num_parameters(),
+        "experts": ({"num_experts": spec.num_experts, "router_topk": spec.moe_router_topk,
+                     "moe_ffn_hidden_size": spec.moe_ffn_hidden_size} if spec.is_moe else None),
         "rank_map": {
-            "trainer": {"ranks": [0, trainer.world_size - 1], "tensor_parallel": trainer.tensor_parallel_size,
-                        "pipeline_parallel": trainer.pipeline_parallel_size,
-                        "data_parallel": trainer.data_parallel_size,
-                        "pipeline_stage_layers": trainer.stage_sizes(spec),
-                        "transformer_impl": trainer.transformer_impl, "controller": 0},
-            "generators": {"replicas": replicas, "tensor_parallel": gtp, "fp8": generator.fp8,
-                           "ranks": generator_ranks if replicas <= 8 else generator_ranks[:4] + ["..."]
-                           + generator_ranks[-2:]},
+            "trainer": trainer_map,
+            "generators": generator_map,
             "reward": f"{args.reward_num_workers} worker processes beside trainer rank 0",
         },
         "memory_per_gpu": {
             "trainer": trainer_memory(spec, trainer, args.bf16, args.use_distributed_optimizer,
                                       reference=args.kl_coef > 0),
-            "generator": generator_memory(spec, gtp, generator.fp8),
+            "generator": generator_memory(spec, gtp, generator.fp8, generator.expert_parallel_size),
         },
         "ddma": ddma,
     }
@@ -111,19 +163,41 @@ def main(args) -> int:
     report = dry_run(args, world)
     m = report["memory_per_gpu"]
     rm = report["rank_map"]
-    print(f"model {report['model']} ({report['parameters'] / 1e9:.2f}B parameters), world size {world}")
-    print(f"trainer ranks {rm['trainer']['ranks']}: TP={rm['trainer']['tensor_parallel']} "
-          f"PP={rm['trainer']['pipeline_parallel']} DP={rm['trainer']['data_parallel']}, stage layers "
-          f"{rm['trainer']['pipeline_stage_layers']}; controller on rank 0")
-    print(f"generator replicas: {rm['generators']['replicas']} x TP={rm['generators']['tensor_parallel']}"
-          f"{' FP8' if rm['generators']['fp8'] else ''}, ranks {rm['generators']['ranks']}")
-    print(f"memory per GPU: trainer {m['trainer']['total_gib']:.1f} GiB (weights {m['trainer']['weights_gib']:.1f}, "
-          f"grads {m['trainer']['grads_gib']:.1f}, optimizer {m['trainer']['optimizer_gib']:.1f}"
-          + (f", KL reference weights {m['trainer']['reference_gib']:.1f}" if args.kl_coef > 0 else "")
+    t, g = rm["trainer"], rm["generators"]
+    moe = report["experts"]
+    params = f"{report['parameters'] / 1e9:.2f}B parameters"
+    if moe:
+        params += (f", {report['active_parameters'] / 1e9:.2f}B active: {moe['router_topk']} of "
+                   f"{moe['num_experts']} experts per token")
+    print(f"model {report['model']} ({params}), world size {world}")
+    experts = ""
+    if moe:
+        experts = (f" EP={t['expert_parallel']} ETP={t['expert_tensor_parallel']} (expert-DP="
+                   f"{t['expert_data_parallel']}, {t['experts_per_rank']} experts per rank; (EP, ETP) rank of TP "
+                   f"ranks 0..{t['tensor_parallel'] - 1} at DP 0: {t['expert_ranks_of_dp0']}, repeating every "
+                   f"{t['expert_ranks_repeat_every_dp']} DP rank(s))")
+    print(f"trainer ranks {t['ranks']}: TP={t['tensor_parallel']} PP={t['pipeline_parallel']} "
+          f"DP={t['data_parallel']}{experts}, stage layers {t['pipeline_stage_layers']}; controller on rank 0")
+    gexperts = (f" EP={g['expert_parallel']} ({g['experts_per_rank']} experts per rank, each split "
+                f"{g['expert_tensor_parallel']} way(s))" if moe else "")
+    print(f"generator replicas: {g['replicas']} x TP={g['tensor_parallel']}{gexperts}"
+          f"{' FP8' if g['fp8'] else ''}, ranks {g['ranks']}")
+    mt = m["trainer"]
+    print(f"memory per GPU: trainer {mt['total_gib']:.1f} GiB (weights {mt['weights_gib']:.1f}, "
+          f"grads {mt['grads_gib']:.1f}, optimizer {mt['optimizer_gib']:.1f}"
+          + (f", KL reference weights {mt['reference_gib']:.1f}" if args.kl_coef > 0 else "")
+          + f"; busiest rank {mt['rank']}: {mt['params'] / 1e9:.2f}B parameters"
+          + (f", {mt['expert_params'] / 1e9:.2f}B of them its experts, whose optimizer state is split "
+             f"{mt['expert_data_parallel']} ways" if moe else "")
           + f"); generator weights {m['generator']['weights_gib']:.1f} GiB")
     d = report["ddma"]
     print(f"DDMA: {d['num_transfers']} transfers, {d['total_bytes'] / 1e9:.1f} GB, busiest GPU sends "
           f"{d['max_send_bytes'] / 1e9:.2f} GB / receives {d['max_recv_bytes'] / 1e9:.2f} GB, estimated "
           f"{d['estimated_seconds']:.2f} s (gather-and-broadcast: {d['baseline']['estimated_seconds']:.2f} s)")
+    if moe:
+        f = d["full_experts"]
+        print(f"DDMA experts: a generator GPU receives {f['sharded_recv_bytes'] / 1e9:.2f} GB, its own experts; "
+              f"every expert in full would be {f['max_recv_bytes'] / 1e9:.2f} GB ({f['recv_ratio']:.1f}x), "
+              f"estimated {f['estimated_seconds']:.2f} s")
     print(json.dumps(report))
     return 0

@@ -1,5 +1,6 @@
 """The Megatron-style command line: groups and flag names, clean errors, configs, --dry-run (the per-GPU
-memory of the 8B layout checked by hand), and every example script's flags through the real parser."""
+memory of the 8B layout and of the Qwen3-235B-A22B expert layout checked by hand), and every example script's
+flags through the real parser."""
 
 import json
 import os
@@ -77,10 +78,59 @@ def test_dry_run_memory_for_8b_matches_hand_computation():
     assert report["ddma"]["estimated_seconds"] < report["ddma"]["baseline"]["estimated_seconds"]
 
 
+def test_dry_run_memory_for_235b_holds_only_the_ranks_experts():
+    from megatron_rl.dry_run import trainer_memory
+    from megatron_rl.models.layout import megatron_shards
+    from megatron_rl.run_setup import layouts
+    from megatron_rl.models.spec import get_model_spec
+
+    # configs/qwen3-235b-a22b.json at the example's world size: trainer TP=4 PP=8 DP=8 (256), 8 generators x TP=8.
+    trainer, generator = layouts(parse_args(["--config", "qwen3-235b-a22b", "--rollout-num-replicas", "8"]), 320)
+    spec = get_model_spec("qwen3-235b-a22b")
+    assert (trainer.expert_model_parallel_size, trainer.expert_tp, generator.expert_parallel_size) == (16, 1, 8)
+    assert trainer.stage_sizes(spec) == [11] + [12] * 6 + [11]
+    # A middle stage (12 layers, no embedding) is the busiest. Per layer on one TP=4 rank: QKV of 16 query heads and
+    # 1 of the 4 KV heads, o_proj's 2048 columns, the q/k norms, two RMSNorms, the replicated router, and 128 / 16
+    # whole experts (ETP=1) of gate, up and down.
+    h, d, fe = spec.hidden_size, spec.head_dim, spec.moe_ffn_hidden_size
+    dense = 12 * ((16 + 2) * d * h + h * 16 * d + 2 * d + 2 * h + spec.num_experts * h)
+    experts = 12 * (spec.num_experts // 16) * 3 * h * fe
+    m = trainer_memory(spec, trainer, bf16=True, distributed_optimizer=True)
+    assert (m["params"], m["expert_params"]) == (dense + experts, experts)
+    # The distributed optimizer splits the dense parameters' Adam state over DP = 8, the experts' over the
+    # expert-data-parallel group: TP x DP / (EP x ETP) = 4 x 8 / 16 = 2 ranks hold the same experts.
+    assert m["expert_data_parallel"] == 2
+    assert m["total_gib"] * 2**30 == pytest.approx((dense + experts) * (2 + 4) + dense * 12 / 8 + experts * 12 / 2)
+    # Every rank of that stage holds the same amount: 8 experts of its own, whichever EP rank it is.
+    assert {sum(x.numel for x in megatron_shards(spec, trainer, tp, 3, dp).values())
+            for tp in range(4) for dp in range(4)} == {dense + experts}
+
+
+def test_expert_parallel_size_that_does_not_divide_the_experts_fails_naming_the_flag():
+    r = _cli("--config", "qwen3-30b-a3b", "--dry-run", "--world-size", "32", "--rollout-num-replicas", "8",
+             "--expert-model-parallel-size", "12", "--tensor-model-parallel-size", "2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "--expert-model-parallel-size 12 does not divide model 'qwen3-30b-a3b' num_experts 128" in r.stderr
+
+
+# The Qwen3-8B and -30B-A3B scripts are variants of the Llama-3.1 8B and Qwen3-235B-A22B ones (10-20 s each): the
+# slow tier (tools/test_slow.sh) runs them.
 @pytest.mark.parametrize("script", ["run_tiny_aipo.sh", "run_math_chat.sh", "run_8b_aipo.sh", "run_70b_aipo.sh",
-                                    "run_405b_aipo.sh"])
+                                    "run_405b_aipo.sh", "run_qwen3_235b_a22b_aipo.sh",
+                                    pytest.param("run_qwen3_8b_aipo.sh", marks=pytest.mark.slow),
+                                    pytest.param("run_qwen3_30b_a3b_aipo.sh", marks=pytest.mark.slow)])
 def test_example_scripts_parse_and_dry_run(script):
     r = subprocess.run(["bash", os.path.join(ROOT, "examples", script), "--dry-run"], capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "memory per GPU" in r.stdout and "DDMA" in r.stdout and "trainer ranks" in r.stdout
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    if report["experts"]:  # the Qwen3 mixtures: active parameters, EP in the rank map, the expert comparison
+        t, g = report["rank_map"]["trainer"], report["rank_map"]["generators"]
+        assert report["active_parameters"] < report["parameters"] / 5
+        assert f"EP={t['expert_parallel']} ETP={t['expert_tensor_parallel']}" in r.stdout
+        assert t["expert_data_parallel"] * t["expert_parallel"] * t["expert_tensor_parallel"] == \
+            t["tensor_parallel"] * t["data_parallel"]
+        assert g["expert_parallel"] > 1 and f"TP={g['tensor_parallel']} EP={g['expert_parallel']}" in r.stdout
+        full = report["ddma"]["full_experts"]
+        assert full["max_recv_bytes"] > full["sharded_recv_bytes"] == report["ddma"]["max_recv_bytes"]

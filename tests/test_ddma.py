@@ -201,3 +201,58 @@ def test_plan_tool_for_405b_meets_the_papers_claims():
     assert out["busiest_receiver_vs_own_shard"] <= 1.1
     assert out["baseline"]["estimated_seconds"] > 10 * out["estimated_seconds"]
     assert out["pipeline_stage_layers"] == [7] + [8] * 14 + [7]
+
+
+def _plan_tool(*args):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "plan_ddma.py"), *args], capture_output=True,
+                       text=True, timeout=300)
+    return r, (json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None)
+
+
+def test_plan_tool_for_qwen3_235b_sends_each_generator_rank_only_its_experts():
+    from megatron_rl.ddma.plan import piece_nbytes
+    from megatron_rl.models.spec import get_model_spec
+
+    # configs/qwen3-235b-a22b.json's layouts, 2 generator replicas (what a generator rank receives does not
+    # depend on how many there are).
+    tp, ep = 8, 8
+    r, out = _plan_tool("--model", "qwen3-235b-a22b", "--trainer-tp", "4", "--trainer-pp", "8", "--trainer-dp", "8",
+                        "--trainer-ep", "16", "--trainer-etp", "1", "--rollout-tp", str(tp), "--rollout-ep", str(ep),
+                        "--rollout-replicas", "2", "--rollout-fp8", "--report")
+    assert r.returncode == 0, r.stderr
+    assert "every expert whole would be" in r.stdout and "gather-and-broadcast" in r.stdout
+    assert out["pipeline_stage_layers"] == [11] + [12] * 6 + [11]
+    assert out["baseline"]["estimated_seconds"] > 10 * out["estimated_seconds"]
+    full = out["experts"]["full"]
+    # Rollout EP=8 at TP=8: each generator rank holds 128 / 8 = 16 whole experts of each of the 94 layers
+    # (1536 rows: FP8 blocks fit), sent as FP8 with their scales.
+    spec = get_model_spec("qwen3-235b-a22b")
+    h, fe = spec.hidden_size, spec.moe_ffn_hidden_size
+    per_expert = piece_nbytes(2 * fe, h, True, 2) + piece_nbytes(fe, h, True, 2)
+    own = spec.num_experts // ep
+    assert full["sharded_expert_recv_bytes"] == spec.num_layers * own * per_expert
+    assert full["full_expert_bytes"] == spec.num_layers * spec.num_experts * per_expert
+    # Every expert whole against a rank's own: num_experts / (own experts, each split TP / EP ways) = the TP size.
+    assert full["expert_recv_ratio"] == pytest.approx(spec.num_experts / (own / (tp // ep))) == tp
+    assert 1 < full["recv_ratio"] < tp and full["sharded_recv_bytes"] == out["max_recv_bytes"]
+    assert out["experts"]["full_vs_sharded_seconds"] > 5
+    # Without rollout EP each rank holds 192 rows of every expert's gate and up: not whole FP8 blocks, so those
+    # travel in bf16 and a rank receives more.
+    assert out["experts"]["without_rollout_ep"]["max_recv_bytes"] > out["max_recv_bytes"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--rollout-tp", "8", "--rollout-ep", "3"], "--rollout-expert-parallel-size 3 does not divide model "
+                                                  "'qwen3-30b-a3b' num_experts 128"),
+    (["--trainer-tp", "4", "--trainer-dp", "4", "--trainer-ep", "12"],
+     "--expert-model-parallel-size 12 does not divide model 'qwen3-30b-a3b' num_experts 128"),
+])
+def test_plan_tool_names_the_expert_flag_that_does_not_divide_the_experts(flags, message):
+    r, _ = _plan_tool("--model", "qwen3-30b-a3b", *flags)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

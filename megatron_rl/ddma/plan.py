@@ -138,14 +138,28 @@ def _aligned(offset: int, length: int, size: int) -> bool:
     return offset % BLOCK == 0 and (length % BLOCK == 0 or offset + length == size)
 
 
+def _holder_choice(holders: list, memo: dict) -> tuple[tuple[int, ...], dict[int, tuple[str, int]]]:
+    """(the ranks holding a row range, ascending; rank -> (its Megatron name, offset)), computed once per range:
+    the first entry of a rank that is listed twice, as a choice among all entries by (bytes sent, rank) takes."""
+    choice = memo.get(id(holders))
+    if choice is None:
+        first: dict[int, tuple[str, int]] = {}
+        for rank, name, offset in holders:
+            first.setdefault(rank, (name, offset))
+        choice = memo[id(holders)] = (tuple(sorted(first)), first)
+    return choice
+
+
 @functools.lru_cache(maxsize=16)
 def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayout) -> Plan:
     validate(spec, trainer, generator)
     index = _trainer_index(spec, trainer)
     gtp = generator.tensor_parallel_size
     # Pieces of one replica, per generator TP rank (the same for every replica): (runtime name, dst offset,
-    # length, dim, row_numel, [(tp, pp, megatron name, src offset)]).
+    # length, dim, row_numel, quantize, nbytes, holder ranks, rank -> (megatron name, offset), row shift), the
+    # source offset being the chosen holder's offset plus the shift.
     runtime_by_tp = {j: L.sglang_shards(spec, gtp, j, generator.expert_parallel_size) for j in range(gtp)}
+    memo: dict[int, tuple] = {}
     template: dict[int, list] = {}
     quantized: set[str] = set()
     for j, tensors in runtime_by_tp.items():
@@ -166,30 +180,34 @@ def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayou
                     a, b = max(start, cursor), min(stop, seg.stop)
                     if a != cursor:
                         raise AssertionError(f"rows {cursor}:{a} of {seg.hf_name} are held by no trainer rank")
-                    sources = [(rank, n, off + a - start) for rank, n, off in holders]
-                    tensor_rows.append((name, dst_offset + a - seg.start, b - a, shard.dim, row_numel, size, sources))
+                    ranks, first = _holder_choice(holders, memo)
+                    tensor_rows.append((dst_offset + a - seg.start, b - a, ranks, first, a - start))
                     cursor = b
                 dst_offset += seg.length
-            if generator.fp8 and is_fp8_weight(name) and \
-                    all(_aligned(r[1], r[2], r[5]) for r in tensor_rows) and row_numel % BLOCK == 0:
+            quantize = (generator.fp8 and is_fp8_weight(name) and row_numel % BLOCK == 0
+                        and all(_aligned(r[0], r[1], size) for r in tensor_rows))
+            if quantize:
                 quantized.add(name)
-            rows.extend(tensor_rows)
+            rows.extend((name, offset, length, shard.dim, row_numel, quantize,
+                         piece_nbytes(length, row_numel, quantize, trainer.dtype_bytes), ranks, first, shift)
+                        for offset, length, ranks, first, shift in tensor_rows)
         template[j] = rows
 
-    sent: dict[int, int] = defaultdict(int)
+    # Sources are spread: each piece goes to the holder that has sent the fewest bytes so far (ties: lowest rank).
+    sent = [0] * trainer.world_size
+    bytes_sent = sent.__getitem__
     pieces: list[Piece] = []
     runtime: dict[int, dict[str, L.ShardLayout]] = {}
     for replica in range(generator.num_replicas):
         for j in range(gtp):
             dst = generator.rank(replica, j)
             runtime[dst] = runtime_by_tp[j]
-            for name, dst_offset, length, dim, row_numel, _size, sources in template[j]:
-                quantize = name in quantized
-                nbytes = piece_nbytes(length, row_numel, quantize, trainer.dtype_bytes)
-                src, src_tensor, src_offset = min(sources, key=lambda c: (sent[c[0]], c[0]))
+            for name, dst_offset, length, dim, row_numel, quantize, nbytes, ranks, first, shift in template[j]:
+                src = ranks[0] if len(ranks) == 1 else min(ranks, key=bytes_sent)
                 sent[src] += nbytes
-                pieces.append(Piece(src, dst, src_tensor, src_offset, name, dst_offset, length, dim, row_numel,
-                                    quantize, nbytes))
+                src_tensor, src_offset = first[src]
+                pieces.append(Piece(src, dst, src_tensor, src_offset + shift, name, dst_offset, length, dim,
+                                    row_numel, quantize, nbytes))
     return Plan(spec, trainer, generator, pieces, runtime, frozenset(quantized))
 
 
@@ -231,4 +249,47 @@ def gather_broadcast_baseline(plan: Plan, inter_node_gbps: float = 400.0) -> dic
         "max_recv_bytes": max(gathered, broadcast),
         "num_transfers": shards + g.world_size,
         "estimated_seconds": gathered / rate + broadcast / rate,
+    }
+
+
+def is_expert_tensor(runtime_name: str) -> bool:
+    """A generator runtime tensor of one expert (`...mlp.experts.{e}.gate_up_proj.weight`, `...down_proj.weight`)."""
+    return ".experts." in runtime_name
+
+
+def full_experts_baseline(plan: Plan, inter_node_gbps: float = 400.0) -> dict:
+    """What sending each generator rank only its own experts saves: the same update if every generator rank
+    received every expert whole (all num_layers x num_experts gate/up/down weights, FP8 like the plan's when the
+    generators serve FP8) and narrowed them itself, the way a gathered or broadcast model is consumed; the
+    non-expert pieces are the plan's. `expert_recv_ratio` is full / sharded for the expert bytes of the busiest
+    receiver (the generator TP size when its experts' rows fall on FP8 block boundaries), `recv_ratio` the same
+    for all its bytes. Time: the busiest direction over inter-node links, the receivers' full bytes against the
+    senders' total spread evenly over the trainer's ranks."""
+    spec, g, t = plan.spec, plan.generator, plan.trainer
+    if not spec.is_moe:
+        raise ValueError(f"model {spec.name!r} has no experts")
+    h, fe = spec.hidden_size, spec.moe_ffn_hidden_size
+    quantize = g.fp8 and h % BLOCK == 0  # a whole tensor is aligned to FP8 blocks when its rows are
+    per_expert = (piece_nbytes(2 * fe, h, quantize, t.dtype_bytes)  # gate_up_proj: [gate; up] rows
+                  + piece_nbytes(fe, h, quantize, t.dtype_bytes))  # down_proj: its fe input columns
+    all_experts = spec.num_layers * spec.num_experts * per_expert
+    received, expert_received = defaultdict(int), defaultdict(int)
+    for p in plan.pieces:
+        received[p.dst] += p.nbytes
+        if is_expert_tensor(p.dst_tensor):
+            expert_received[p.dst] += p.nbytes
+    busiest = max(received, key=lambda r: (received[r], -r))
+    full = {r: received[r] - expert_received[r] + all_experts for r in received}
+    rate = inter_node_gbps * 1e9 / 8
+    total = sum(full.values())
+    return {
+        "generator_rank": busiest,
+        "sharded_recv_bytes": received[busiest],
+        "sharded_expert_recv_bytes": expert_received[busiest],
+        "full_expert_bytes": all_experts,
+        "total_bytes": total,
+        "max_recv_bytes": full[busiest],
+        "expert_recv_ratio": all_experts / max(expert_received[busiest], 1),
+        "recv_ratio": full[busiest] / max(received[busiest], 1),
+        "estimated_seconds": max(max(full.values()), total / t.world_size) / rate,
     }
