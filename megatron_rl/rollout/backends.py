@@ -75,7 +75,7 @@ def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:
     if setup.generator.fp8 and not torch.cuda.is_available():
         raise RuntimeError("--rollout-fp8 with --rollout-backend sglang needs a GPU (SGLang's FP8 layers "
                            "assert CUDA or AMX); use --rollout-backend local on CPU")
-    from megatron_rl.rollout.sglang_engine import IN_PLACE_SERVER_FLAGS, start_replica_engine
+    from megatron_rl.rollout.sglang_engine import required_server_flags, start_replica_engine
     from megatron_rl.rollout.sglang_server import write_model_dir
 
     directory = os.path.join(args.output_dir, "sglang", f"replica{roles.replica}")
@@ -93,8 +93,11 @@ def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:
                                 timeout_s=args.rollout_server_timeout,
                                 stall_timeout_s=args.rollout_server_stall_timeout,
                                 max_restarts=args.rollout_server_max_restarts,
-                                required_flags=IN_PLACE_SERVER_FLAGS if args.rollout_pause_mode == "in_place"
-                                else None, replica=roles.replica)
+                                required_flags=required_server_flags(
+                                    setup.spec, setup.generator.expert_parallel_size,
+                                    in_place=args.rollout_pause_mode == "in_place",
+                                    routing_replay=args.use_rollout_routing_replay),
+                                return_routed_experts=args.use_rollout_routing_replay, replica=roles.replica)
 
 
 ENGINE_BACKENDS: dict[str, Callable[[RunSetup, Roles], Engine]] = {

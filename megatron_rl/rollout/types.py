@@ -67,3 +67,6 @@ class RolloutOutput:
     num_retractions: int = 0
     logprob_convention: str = LOGPROB_CONVENTION
     loss_mask: list[bool] | None = None  # per generated token; None: every token is a policy action
+    # Mixture-of-experts models with rollout routing replay: the experts each token of prompt + response was routed
+    # to, [num_tokens][num_layers][topk] ints (SGLang leaves out the last sampled token: len(prompt + response) - 1).
+    routed_experts: list | None = None
