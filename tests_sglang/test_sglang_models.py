@@ -1,0 +1,60 @@
+"""Qwen3 (q/k norms, head size 32 with hidden 64 / 4 heads), Qwen3-MoE and Mixtral on a real SGLang server: the server
+starts on checkpoint A, the adapter's weight update (the path DDMA feeds: runtime shards by SGLang name, experts
+stacked into FusedMoE's w13_weight / w2_weight, `load_format="direct"`) gives it checkpoint B, and it then generates
+exactly what transformers does with B: the same greedy tokens, log-probs within 1e-4. A wrong expert order, gate/up
+order or q/k-norm mapping changes every log-prob of a random model far more than that.
+
+Routing replay's routes are not checked here: SGLang 0.5.23 cannot start with --enable-return-routed-experts on the
+CPU (its RoutedExpertsCapturer pins its host buffer with cudaHostRegister: "Torch not compiled with CUDA enabled");
+their decoding is unit-tested in tests/test_sglang_moe.py.
+"""
+
+import pytest
+import torch
+
+from megatron_rl.models import layout as L
+from megatron_rl.models.hf import save_random_hf_model
+from megatron_rl.models.safetensors_io import HFCheckpoint
+from megatron_rl.models.spec import get_model_spec
+from megatron_rl.rollout.sglang_engine import required_server_flags, start_replica_engine
+from megatron_rl.rollout.types import SamplingParams
+
+PROMPTS = [[1, 5, 9, 13], [2, 40, 41, 42, 43, 44, 45], [3, 100]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+ATOL = 1e-4
+
+
+def _hf_greedy(model, prompt, steps):
+    """transformers' greedy continuation of `prompt` and each token's log-prob (full forward per step)."""
+    tokens, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([tokens])).logits[0, -1].float()
+            token = int(logits.argmax())
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            tokens.append(token)
+    return tokens[len(prompt):], logprobs
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
+def test_a_weight_update_serves_the_new_checkpoint_as_transformers_does(name, tmp_path):
+    spec = get_model_spec(name).replace(name=f"{name}-sglang", max_position_embeddings=2048)
+    model_a, model_b = str(tmp_path / "a"), str(tmp_path / "b")
+    save_random_hf_model(spec, model_a, seed=1)
+    reference = save_random_hf_model(spec, model_b, seed=2)
+    engine = start_replica_engine(spec, 1, None, True, model_a, str(tmp_path / "server.log"), load_format="auto",
+                                  required_flags=required_server_flags(spec))
+    try:
+        reader = HFCheckpoint(model_b)
+        engine.pause("retract")
+        engine.begin_weight_update()
+        engine.load_weights((n, L.assemble(s, reader.get_slice)) for n, s in L.sglang_shards(spec, 1, 0).items())
+        engine.end_weight_update(version=1)
+        engine.continue_generation()
+        outputs = engine.generate(PROMPTS, GREEDY)
+    finally:
+        engine.shutdown()
+    for prompt, out in zip(PROMPTS, outputs):
+        tokens, logprobs = _hf_greedy(reference, prompt, GREEDY.max_new_tokens)
+        assert out.token_ids == tokens and out.versions == [1] * len(tokens)
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=ATOL, rtol=0)
