@@ -12,6 +12,7 @@ their decoding is unit-tested in tests/test_sglang_moe.py.
 import pytest
 import torch
 
+from megatron_rl.launch import run_on_ranks
 from megatron_rl.models import layout as L
 from megatron_rl.models.hf import save_random_hf_model
 from megatron_rl.models.safetensors_io import HFCheckpoint
@@ -36,25 +37,58 @@ def _hf_greedy(model, prompt, steps):
     return tokens[len(prompt):], logprobs
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
-def test_a_weight_update_serves_the_new_checkpoint_as_transformers_does(name, tmp_path):
-    spec = get_model_spec(name).replace(name=f"{name}-sglang", max_position_embeddings=2048)
-    model_a, model_b = str(tmp_path / "a"), str(tmp_path / "b")
-    save_random_hf_model(spec, model_a, seed=1)
-    reference = save_random_hf_model(spec, model_b, seed=2)
-    engine = start_replica_engine(spec, 1, None, True, model_a, str(tmp_path / "server.log"), load_format="auto",
-                                  required_flags=required_server_flags(spec))
+def _serve_b_after_a(spec, tp, ep, model_a, model_b, log):
+    """On every rank of one generator replica (TP `tp`, SGLang --ep-size `ep`): start on checkpoint A, update to B
+    (each rank loads its own TP rank's runtime shards), generate greedily; the leader returns the outputs."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    group = dist.group.WORLD if tp > 1 else None
+    engine = start_replica_engine(spec, tp, group, rank == 0, model_a, log, load_format="auto",
+                                  required_flags=required_server_flags(spec, ep))
     try:
         reader = HFCheckpoint(model_b)
         engine.pause("retract")
         engine.begin_weight_update()
-        engine.load_weights((n, L.assemble(s, reader.get_slice)) for n, s in L.sglang_shards(spec, 1, 0).items())
+        shards = L.sglang_shards(spec, tp, rank, ep)
+        engine.load_weights((n, L.assemble(s, reader.get_slice)) for n, s in shards.items())
         engine.end_weight_update(version=1)
         engine.continue_generation()
-        outputs = engine.generate(PROMPTS, GREEDY)
+        return engine.generate(PROMPTS, GREEDY) if rank == 0 else None
     finally:
         engine.shutdown()
+
+
+def _check_against_transformers(reference, outputs):
     for prompt, out in zip(PROMPTS, outputs):
         tokens, logprobs = _hf_greedy(reference, prompt, GREEDY.max_new_tokens)
         assert out.token_ids == tokens and out.versions == [1] * len(tokens)
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=ATOL, rtol=0)
+
+
+def _checkpoints(spec, tmp_path):
+    model_a, model_b = str(tmp_path / "a"), str(tmp_path / "b")
+    save_random_hf_model(spec, model_a, seed=1)
+    return model_a, model_b, save_random_hf_model(spec, model_b, seed=2)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
+def test_a_weight_update_serves_the_new_checkpoint_as_transformers_does(name, tmp_path):
+    spec = get_model_spec(name).replace(name=f"{name}-sglang", max_position_embeddings=2048)
+    model_a, model_b, reference = _checkpoints(spec, tmp_path)
+    _check_against_transformers(reference, _serve_b_after_a(spec, 1, 1, model_a, model_b, str(tmp_path / "log")))
+
+
+def test_expert_tensor_parallel_ranks_get_their_rows_of_every_expert(tmp_path):
+    """TP=2 (--ep-size 1): each SGLang rank holds every expert, rows [r I / 2, (r + 1) I / 2) of its gate, up (w13) and
+    down (w2), and the adapter sends it exactly those. (--ep-size 2 does not run on SGLang's CPU path: its native
+    MoE forward, fused_moe_native.moe_forward_native, scatters the -1 ids of experts held by the other rank:
+    "index -1 is out of bounds for dimension 1 with size 4".) Experts of size 64: on the CPU SGLang pads
+    intermediate sizes to a multiple of TP x 32 (configs/update_config.py, adjust_config_with_unaligned_cpu_tp), which
+    the size 32 of tiny-qwen3-moe is not at TP=2."""
+    spec = get_model_spec("tiny-qwen3-moe").replace(name="tiny-qwen3-moe-sglang", max_position_embeddings=2048,
+                                                    moe_ffn_hidden_size=64)
+    model_a, model_b, reference = _checkpoints(spec, tmp_path)
+    outputs = run_on_ranks(_serve_b_after_a, 2, spec, 2, 1, model_a, model_b, str(tmp_path / "log"),
+                           timeout_s=900)[0]
+    _check_against_transformers(reference, outputs)
