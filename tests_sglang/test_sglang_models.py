@@ -2,7 +2,8 @@
 starts on checkpoint A, the adapter's weight update (the path DDMA feeds: runtime shards by SGLang name, experts
 stacked into FusedMoE's w13_weight / w2_weight, `load_format="direct"`) gives it checkpoint B, and it then generates
 exactly what transformers does with B: the same greedy tokens, log-probs within 1e-4. A wrong expert order, gate/up
-order or q/k-norm mapping changes every log-prob of a random model far more than that.
+order or q/k-norm mapping changes every log-prob of a random model far more than that. Also at TP=2 for experts split
+across ranks, and the server arguments the run requires (--ep-size, --enable-return-routed-experts) are SGLang's.
 
 Routing replay's routes are not checked here: SGLang 0.5.23 cannot start with --enable-return-routed-experts on the
 CPU (its RoutedExpertsCapturer pins its host buffer with cudaHostRegister: "Torch not compiled with CUDA enabled");
@@ -23,6 +24,18 @@ from megatron_rl.rollout.types import SamplingParams
 PROMPTS = [[1, 5, 9, 13], [2, 40, 41, 42, 43, 44, 45], [3, 100]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 ATOL = 1e-4
+
+
+def test_the_server_arguments_the_run_requires_are_sglangs():
+    from megatron_rl.rollout.sglang_engine import IN_PLACE_SERVER_FLAGS
+    from megatron_rl.rollout.sglang_flags import check_typed, sglang_cli_actions
+
+    flags = required_server_flags(get_model_spec("tiny-qwen3-moe"), 2, in_place=True, routing_replay=True)
+    assert flags == {**IN_PLACE_SERVER_FLAGS, "ep_size": 2, "enable_return_routed_experts": True}
+    actions = sglang_cli_actions()
+    assert check_typed({k: v for k, v in flags.items() if k != "ep_size"}, actions) == \
+        {k: v for k, v in flags.items() if k != "ep_size"}
+    assert actions["--ep-size"].dest == "ep_size" and actions["--ep-size"].type is int
 
 
 def _hf_greedy(model, prompt, steps):
