@@ -216,6 +216,12 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     validate_plan(spec, trainer, generator)  # both layouts against the model, and against each other
     if getattr(args, "use_rollout_routing_replay", False) and not spec.is_moe:
         raise ValueError(f"--use-rollout-routing-replay: model {spec.name!r} has no experts to route")
+    if getattr(args, "rollout_backend", "local") == "sglang":
+        from megatron_rl.rollout.sglang_server import served_model_problems
+
+        problems = served_model_problems(spec, {})  # what no SGLang server argument can fix (a sliding window)
+        if problems:
+            raise ValueError(f"--rollout-backend sglang cannot serve model {spec.name!r}: {'; '.join(problems)}")
     check_megatron_config(spec, trainer)
     per_step = trainer.data_parallel_size * args.micro_batch_size
     if args.global_batch_size % per_step:

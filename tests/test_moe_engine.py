@@ -154,15 +154,6 @@ def test_expert_parallel_ranks_hold_only_their_experts():
         TPDecoder(QWEN3, 2, 0, ep_size=2)
 
 
-def test_the_sglang_backend_refuses_experts_by_flag():
-    from types import SimpleNamespace
-
-    from megatron_rl.rollout.backends import build_sglang_engine
-
-    with pytest.raises(ValueError, match="--rollout-backend sglang does not serve mixture-of-experts models yet"):
-        build_sglang_engine(SimpleNamespace(spec=MIXTRAL, args=None), None)
-
-
 def test_dense_models_record_no_routes(models):
     out = LocalEngine.from_hf(str(models[QWEN3.name][0])).generate(PROMPTS[:1], GREEDY)[0]
     assert out.routed_experts is None

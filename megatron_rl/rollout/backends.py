@@ -70,17 +70,13 @@ def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:
     weights, never served: the first DDMA publish brings the policy) on the GPUs of the replica's ranks, or
     attaches to --rollout-server-urls."""
     args = setup.args
-    if setup.spec.is_moe:  # SGLang's direct weight loading would not find the per-expert runtime tensors
-        raise ValueError(f"--rollout-backend sglang does not serve mixture-of-experts models yet (model "
-                         f"{setup.spec.name!r}): DDMA sends one runtime tensor per expert (experts.E.gate_up_proj), "
-                         "where SGLang stacks them (experts.w13_weight / w2_weight); use --rollout-backend local")
     if importlib.util.find_spec("sglang") is None:
         raise RuntimeError("--rollout-backend sglang: the sglang package is not installed in this environment "
                            "(on CPU: bash tools/sglang_cpu/setup_env.sh, then run with .venv-sglang/bin/python)")
     if setup.generator.fp8 and not torch.cuda.is_available():
         raise RuntimeError("--rollout-fp8 with --rollout-backend sglang needs a GPU (SGLang's FP8 layers "
                            "assert CUDA or AMX); use --rollout-backend local on CPU")
-    from megatron_rl.rollout.sglang_engine import IN_PLACE_SERVER_FLAGS, start_replica_engine
+    from megatron_rl.rollout.sglang_engine import required_server_flags, start_replica_engine
     from megatron_rl.rollout.sglang_server import write_model_dir
 
     directory = os.path.join(args.output_dir, "sglang", f"replica{roles.replica}")
@@ -98,8 +94,11 @@ def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:
                                 timeout_s=args.rollout_server_timeout,
                                 stall_timeout_s=args.rollout_server_stall_timeout,
                                 max_restarts=args.rollout_server_max_restarts,
-                                required_flags=IN_PLACE_SERVER_FLAGS if args.rollout_pause_mode == "in_place"
-                                else None, replica=roles.replica)
+                                required_flags=required_server_flags(
+                                    setup.spec, setup.generator.expert_parallel_size,
+                                    in_place=args.rollout_pause_mode == "in_place",
+                                    routing_replay=args.use_rollout_routing_replay),
+                                return_routed_experts=args.use_rollout_routing_replay, replica=roles.replica)
 
 
 ENGINE_BACKENDS: dict[str, Callable[[RunSetup, Roles], Engine]] = {

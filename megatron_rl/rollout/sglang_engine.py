@@ -15,7 +15,10 @@ leader also talks to the server:
   `end_weight_update` every rank serializes its own shards into shared memory (only a handle travels,
   never the data), the leader collects the replica's handles and posts them to
   `/update_weights_from_tensor` with `load_format="direct"`: SGLang TP rank i copies handle i into its
-  parameters. No rank ever holds another rank's shard.
+  parameters. No rank ever holds another rank's shard. Mixture-of-experts layers arrive one 2-D tensor per
+  expert and go to SGLang stacked, as its FusedMoE holds them (`stack_experts`);
+- with rollout routing replay (--use-rollout-routing-replay) the server runs with --enable-return-routed-experts
+  and every request asks for the experts each token was routed to (`RolloutOutput.routed_experts`).
 
 Behavior log-probs: SGLang reports log_softmax(logits / temperature) over the full vocabulary, before
 top-k/top-p truncation: the project's LOGPROB_CONVENTION, which the trainer recomputes. The adapter
@@ -24,8 +27,10 @@ refuses to run when SGLANG_RETURN_ORIGINAL_LOGPROB changes that.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import os
+import re
 import signal
 import time
 from collections.abc import Iterable
@@ -68,7 +73,26 @@ def expand_versions(spans: list, num_tokens: int, request_id: str) -> list[int]:
     return versions
 
 
-def parse_generate_response(request_id: str, prompt: list[int], response: dict) -> RolloutOutput:
+ROUTES_FLAG = "--enable-return-routed-experts"
+
+
+def decode_routed_experts(request_id: str, encoded: str, num_positions: int, num_layers: int, topk: int) -> list:
+    """SGLang's `meta_info["routed_experts"]`: base64 of int32 [positions, layers, topk] (its tokenizer manager
+    encodes the captured tensor's bytes), as nested lists. `num_positions` = len(prompt) + len(output) - 1: SGLang
+    records every token the model ran on, which is all but the last sampled one."""
+    raw = base64.b64decode(encoded)
+    want = num_positions * num_layers * topk
+    if len(raw) != 4 * want:
+        raise RolloutContractError(f"request {request_id}: routed_experts holds {len(raw) / 4:g} int32 values, "
+                                   f"expected (len(prompt) + len(output) - 1) x num_layers x topk = {num_positions} x "
+                                   f"{num_layers} x {topk} = {want}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).view(num_positions, num_layers, topk).tolist()
+
+
+def parse_generate_response(request_id: str, prompt: list[int], response: dict,
+                            routes: tuple[int, int] | None = None) -> RolloutOutput:
+    """One /generate answer as a RolloutOutput. `routes`: (num_layers, topk) when the request asked for its
+    routed experts (rollout routing replay); a finished request without them is an error naming the server flag."""
     meta = response["meta_info"]
     token_ids = list(response["output_ids"])
     entries = meta["output_token_logprobs"]
@@ -82,15 +106,67 @@ def parse_generate_response(request_id: str, prompt: list[int], response: dict) 
     reason = reason.get("type") if isinstance(reason, dict) else reason
     if reason not in FINISH_REASONS:
         raise RolloutContractError(f"request {request_id}: unknown finish_reason {meta['finish_reason']!r}")
+    routed = None
+    if routes is not None:
+        if meta.get("routed_experts") is not None:
+            routed = decode_routed_experts(request_id, meta["routed_experts"], len(prompt) + len(token_ids) - 1,
+                                           *routes)
+        elif reason != "abort":
+            raise RolloutContractError(f"request {request_id}: the SGLang server returned no routed_experts, which "
+                                       f"--use-rollout-routing-replay needs; start it with {ROUTES_FLAG}")
     return RolloutOutput(request_id, list(prompt), token_ids, [float(e[0]) for e in entries], versions,
-                         FINISH_REASONS[reason], int(meta.get("num_retractions", 0)), LOGPROB_CONVENTION)
+                         FINISH_REASONS[reason], int(meta.get("num_retractions", 0)), LOGPROB_CONVENTION,
+                         routed_experts=routed)
+
+
+_EXPERT = re.compile(r"(?P<module>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_up_proj|down_proj)\.(?P<param>weight\w*)")
+_STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The runtime layout's per-expert tensors (`{module}.experts.{e}.gate_up_proj.weight` [2 I_tp, H], rows
+    [gate; up], and `.down_proj.weight` [H, I_tp], `e` global; FP8's `weight_scale_inv` likewise) as SGLang's
+    FusedMoE parameters: `{module}.experts.w13_weight` [E_local, 2 I_tp, H] and `.w2_weight` [E_local, H, I_tp]
+    (`w13_weight_scale_inv`, ...), local expert j = the rank's j-th expert in global order, since with --ep-size
+    EP rank k holds global experts k E_local .. (k+1) E_local - 1 (FusedMoE._map_global_expert_id_to_local_expert_id).
+    Other tensors pass through. Raises ValueError when a module's experts are not one run of consecutive ids."""
+    out, groups = {}, {}
+    for name, tensor in tensors.items():
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = tensor
+        else:
+            key = f"{m['module']}.experts.{_STACKED[m['proj']]}_{m['param']}"
+            groups.setdefault(key, {})[int(m["e"])] = tensor
+    for key, experts in groups.items():
+        ids = sorted(experts)
+        if ids != list(range(ids[0], ids[0] + len(ids))):
+            raise ValueError(f"{key}: this rank's experts {ids} are not consecutive global ids (SGLang's --ep-size "
+                             "gives each expert-parallel rank one run of experts)")
+        out[key] = torch.stack([experts[e] for e in ids])
+    return out
+
+
+def required_server_flags(spec: ModelSpec, expert_parallel_size: int = 1, in_place: bool = False,
+                          routing_replay: bool = False) -> dict:
+    """The SGLang server arguments a run needs: given to the servers it launches, checked on attached ones.
+    --rollout-expert-parallel-size is SGLang's --ep-size (the expert layout DDMA sends, see layout.py); rollout
+    routing replay needs --enable-return-routed-experts; in-place pauses need IN_PLACE_SERVER_FLAGS."""
+    flags = dict(IN_PLACE_SERVER_FLAGS) if in_place else {}
+    if spec.is_moe:
+        flags["ep_size"] = expert_parallel_size
+    if routing_replay:
+        flags["enable_return_routed_experts"] = True
+    return flags
 
 
 class SGLangEngine:
     def __init__(self, spec: ModelSpec, server: SGLangServer | None, group=None, max_concurrency: int = 256,
-                 stall_timeout_s: float = 300.0, max_restarts: int = 3):
+                 stall_timeout_s: float = 300.0, max_restarts: int = 3, return_routed_experts: bool = False):
         """`server`: on the replica's leader; None on its other ranks (they only take part in weight
         updates). `group`: the replica's process group (None when the replica has one rank).
+        `return_routed_experts` (--use-rollout-routing-replay, a mixture-of-experts model): every output carries
+        the experts each token was routed to; the server must run with --enable-return-routed-experts.
 
         Faults: a server that exits, drops a request, or finishes nothing for `stall_timeout_s` while
         requests are pending and then fails a health check is restarted (launched servers only), given the
@@ -99,7 +175,13 @@ class SGLangEngine:
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in ("1", "true"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would report log-probs before "
                              f"temperature, but the trainer's importance weights assume {LOGPROB_CONVENTION!r}")
+        if spec.is_moe and os.environ.get("SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED", "0").lower() in ("1", "true"):
+            raise ValueError("SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED is set: SGLang would interleave the gate and up rows "
+                             "of its experts after loading, but weight updates copy [gate; up] rows into them")
+        if return_routed_experts and not spec.is_moe:
+            raise ValueError(f"--use-rollout-routing-replay: model {spec.name!r} has no experts to route")
         self.spec, self.server, self.group = spec, server, group
+        self.routes = (spec.num_layers, spec.moe_router_topk) if return_routed_experts else None
         self.is_leader = server is not None
         self.stall_timeout_s, self.max_restarts = stall_timeout_s, max_restarts
         self.weight_version = -1
@@ -129,6 +211,8 @@ class SGLangEngine:
                              f"[0, {self.spec.vocab_size}): {bad[:5]}")
         body = {"input_ids": list(prompt_token_ids), "sampling_params": sglang_sampling_params(params),
                 "return_logprob": True, "rid": request_id}
+        if self.routes is not None:
+            body["return_routed_experts"] = True
         self._submit(request_id, list(prompt_token_ids), body)
         return request_id
 
@@ -175,7 +259,7 @@ class SGLangEngine:
         request_id, prompt, _ = self._pending[future]
         response = future.result()  # a server fault raises here and leaves the request pending, to run again
         del self._pending[future]
-        return parse_generate_response(request_id, prompt, response)
+        return parse_generate_response(request_id, prompt, response, self.routes)
 
     def _survive(self, call) -> bool:
         """Run a control call to the server; if the server died meanwhile, restart it (see `_recover`) and
@@ -268,7 +352,7 @@ class SGLangEngine:
 
         if self._staged is None:
             raise RuntimeError("end_weight_update without begin_weight_update")
-        staged, self._staged = self._staged, None
+        staged, self._staged = stack_experts(self._staged), None
         handle = MultiprocessingSerializer.serialize(list(staged.items()), output_str=True)
         handles = self._gather(handle)
         status = [None]

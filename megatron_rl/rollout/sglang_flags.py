@@ -24,6 +24,7 @@ _MODEL = "the run serves the architecture of --model / --load-hf: it writes the 
 _TP = "--rollout-tensor-parallel-size sets it"
 _DP = "one engine per replica (weight updates need dp_size 1); more replicas: --rollout-num-replicas"
 _PP = "a generator replica is tensor-parallel only (DDMA sends SGLang TP shards): --rollout-tensor-parallel-size"
+_EP = "--rollout-expert-parallel-size sets it (the expert layout DDMA sends)"
 _NODE = "a replica's server runs on its leader's node, on the GPUs of the replica's ranks"
 _ADDRESS = "the run picks the address of each server it launches (your own servers: --rollout-server-urls)"
 
@@ -34,6 +35,7 @@ RUN_CONTROLLED = {
     "tp_size": _TP, "tensor_parallel_size": _TP,
     "dp_size": _DP, "data_parallel_size": _DP,
     "pp_size": _PP, "pipeline_parallel_size": _PP,
+    "ep_size": _EP, "expert_parallel_size": _EP, "ep": _EP,
     "nnodes": _NODE, "node_rank": _NODE,
     "host": _ADDRESS, "port": _ADDRESS,
     "skip_tokenizer_init": "always on: the run sends token ids",

@@ -158,6 +158,37 @@ def write_model_dir(spec: ModelSpec, directory: str, eos_token_id: int | None = 
     return directory
 
 
+# Mixture-of-experts fields that decide which experts a token goes to (and so the routes replayed), beyond the weights.
+ROUTING_FIELDS = ("moe_router_topk", "moe_norm_topk_prob")
+# Server arguments that change where SGLang keeps each expert's weights (checked against SGLang 0.5.23): the adapter
+# sends EP rank k global experts k E_local .. (k+1) E_local - 1 as local experts 0 .. E_local - 1, [gate; up] rows.
+MOE_LAYOUT_ARGS = {"moe_dp_size": (1, "experts split over MoE data-parallel groups"),
+                   "ep_num_redundant_experts": (0, "redundant expert copies move experts between ranks"),
+                   "enable_eplb": (False, "expert load balancing moves experts between ranks")}
+# MoE runner backends whose FusedMoE keeps w13 otherwise: up rows first (flashinfer_cutlass), transposed
+# (triton_kernel).
+MOE_LAYOUT_BACKENDS = ("flashinfer_cutlass", "triton_kernel")
+
+
+def served_model_problems(spec: ModelSpec, info: dict) -> list[str]:
+    """What keeps a server with these server arguments (/server_info) from serving `spec` as the trainer computes
+    it: a sliding window (SGLang 0.5.23's Llama/Mistral, Qwen2/3, Qwen3-MoE and Mixtral models build their attention
+    without one, so they would attend to the whole context), and, for experts, server arguments that place them
+    other than DDMA sends them."""
+    problems = []
+    if spec.sliding_window is not None:
+        problems.append(f"model sliding_window {spec.sliding_window} (SGLang runs {spec.arch} with full attention: its "
+                        "rollouts would not be the trainer's; use --rollout-backend local)")
+    if spec.is_moe:
+        for key, (want, why) in MOE_LAYOUT_ARGS.items():
+            if key in info and info[key] != want:
+                problems.append(f"{key} {info[key]} (this run needs {want}: {why})")
+        if info.get("moe_runner_backend") in MOE_LAYOUT_BACKENDS:
+            problems.append(f"moe_runner_backend {info['moe_runner_backend']} (it lays expert weights out otherwise "
+                            "than the [gate; up] rows DDMA sends; use --sglang-moe-runner-backend auto)")
+    return problems
+
+
 class SGLangServer:
     def __init__(self, url: str, log_path: str | None = None, command: list[str] | None = None,
                  env: dict | None = None, timeout_s: float = 600.0):
@@ -239,12 +270,14 @@ class SGLangServer:
         if not info.get("skip_tokenizer_init"):
             problems.append("skip_tokenizer_init is off (the adapter sends token ids; start it with "
                             "--skip-tokenizer-init)")
+        problems += served_model_problems(spec, info)
         config_path = os.path.join(str(info.get("model_path", "")), "config.json")
         if os.path.isfile(config_path):
             with open(config_path) as f:
-                served = ModelSpec.from_hf_config(json.load(f)).weight_fields()
-            problems += [f"model {field} {served[field]} (the trainer's is {value})"
-                         for field, value in spec.weight_fields().items() if served[field] != value]
+                served = ModelSpec.from_hf_config(json.load(f))
+            fields = {**spec.weight_fields(), **({f: getattr(spec, f) for f in ROUTING_FIELDS} if spec.is_moe else {})}
+            problems += [f"model {field} {getattr(served, field)} (the trainer's is {value})"
+                         for field, value in fields.items() if getattr(served, field) != value]
         else:
             problems.append(f"its model_path {info.get('model_path')!r} has no config.json readable here, so the "
                             "model cannot be checked against the trainer's")
