@@ -122,8 +122,9 @@ def test_replayed_routes_equal_transformers_forced_to_the_same_experts(norm_topk
     # Megatron's own routes are HF's own top-k: both models route each token to the same experts.
     with torch.no_grad():
         router_logits = hf(batch.tokens, output_router_logits=True).router_logits
-    hf_routes = [logits.topk(spec.moe_router_topk, -1).indices.view(*batch.tokens.shape, -1) for logits in router_logits]
-    assert torch.equal(out["own_routes"].sort(-1).values.long(), torch.stack(hf_routes, 2).sort(-1).values)
+    hf_routes = torch.stack([logits.topk(spec.moe_router_topk, -1).indices.view(*batch.tokens.shape, -1)
+                             for logits in router_logits], 2)
+    assert torch.equal(out["own_routes"].sort(-1).values.long(), hf_routes.sort(-1).values)
 
 
 def test_with_routes_pads_positions_without_a_route():
