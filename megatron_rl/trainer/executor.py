@@ -50,7 +50,8 @@ class TrainerExecutor:
                               clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                               adam_eps=args.adam_eps, bf16=args.bf16,
                               use_distributed_optimizer=args.use_distributed_optimizer, init_weights=init,
-                              device=roles.device, use_cpu_initialization=args.use_cpu_initialization)
+                              device=roles.device, use_cpu_initialization=args.use_cpu_initialization,
+                              moe_aux_loss_coeff=args.moe_aux_loss_coeff)
         self.scheduler = build_scheduler(policy, args.lr_warmup_iters, args.train_iters, args.lr_decay_style,
                                          args.lr_wsd_decay_iters, args.lr_wsd_decay_style)
         self.rl_algo = AlgorithmConfig(loss=args.loss, rho=args.aipo_rho, clip_eps=args.ppo_clip_eps,
