@@ -13,7 +13,7 @@ import os
 import re
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from megatron_rl.models.layout import TRANSFORMER_IMPLS
+from megatron_rl.models.layout import MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
 from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rollout.backends import ENGINE_BACKENDS
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Qwen3-MoE-style)")
     g.add_argument("--moe-router-topk", type=int, help="experts per token")
     g.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's SwiGLU hidden size")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="weight of the routers' load-balancing loss (Megatron-Core's aux_loss; logged as "
+                        "train/moe_aux_loss); 0: none")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
                    help="Megatron-Core layer spec: Megatron's local modules, or Transformer Engine's (GPU; its fused "
@@ -68,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ranks are carved out of the trainer's TP x DP ranks")
     g.add_argument("--expert-tensor-parallel-size", type=int,
                    help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
+    g.add_argument("--moe-token-dispatcher-type", choices=MOE_TOKEN_DISPATCHERS, default="alltoall",
+                   help="how tokens reach their experts' EP ranks (Megatron-Core): alltoall sends each token only "
+                        "to the ranks of its experts; allgather gathers every token on every EP rank")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron-Core sequence parallelism over the tensor-parallel group (norms and dropout on "
@@ -379,6 +385,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--use-rollout-routing-replay with --recompute-granularity full needs "
                      "--pipeline-model-parallel-size 1 (a recomputed layer would replay the routes of a later "
                      "micro-batch)")
+    if args.moe_aux_loss_coeff < 0:
+        parser.error(f"--moe-aux-loss-coeff must be >= 0, got {args.moe_aux_loss_coeff}")
     if args.global_batch_size % args.n_samples_per_prompt:
         parser.error(f"--global-batch-size {args.global_batch_size} is not a multiple of --n-samples-per-prompt "
                      f"{args.n_samples_per_prompt}")

@@ -128,11 +128,14 @@ def read_rl_state(directory: str, step: int) -> dict:
     return state
 
 
-def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, needs_reference: bool = False) -> int:
+def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, needs_reference: bool = False,
+                     expert_model_parallel_size: int = 1) -> int:
     """Everything that can be checked before any work: the tracker, the step's directory, the trainer's dist
     checkpoint metadata, the controller state, that the saved model and layer spec (whose parameter names
-    the trainer's checkpoint uses) are this run's, and (`needs_reference`: a KL penalty to the default reference)
-    that the checkpoint saved the reference model. Returns the step."""
+    the trainer's checkpoint uses) are this run's, that its expert parallelism is this run's (Megatron-Core gives
+    expert parameters an optimizer of their own when EP > 1, and its state does not load into another EP), and
+    (`needs_reference`: a KL penalty to the default reference) that the checkpoint saved the reference model.
+    Returns the step."""
     step = latest_checkpoint_step(directory)
     path = iteration_dir(directory, step)
     if not os.path.isdir(path):
@@ -149,6 +152,13 @@ def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, nee
         if saved.get(field) != value:
             raise ValueError(f"--load {directory!r}: the saved model has {field} {saved.get(field)}, this run's is "
                              f"{value} (model {spec.name!r})")
+    saved_ep = (read_meta(path, "--load").get("expert_model_parallel_size", 1)
+                if os.path.isfile(os.path.join(path, META_FILE)) else 1)
+    if spec.is_moe and saved_ep != expert_model_parallel_size:
+        raise ValueError(f"--load {directory!r}: the checkpoint was saved with --expert-model-parallel-size "
+                         f"{saved_ep}, this run uses {expert_model_parallel_size}; Megatron-Core's optimizer state "
+                         "does not move between expert layouts: resume with the saved EP, or start a new run from "
+                         "its weights (--load-megatron, any EP)")
     if needs_reference:
         from megatron_rl.trainer.checkpoint import check_has_reference
 

@@ -6,15 +6,18 @@ the format) and the weights in one of these formats:
 
 - `safetensors` (default): one file per model-parallel rank, `mp_rank_{TP:02d}_{PP:03d}.safetensors`, with
   Megatron's parameter names (local or Transformer-Engine, as the layout says) and fused layouts. Written and
-  read one tensor at a time.
+  read one tensor at a time. With expert parallelism, the experts of one TP x PP rank differ between the first
+  `expert_replica_span` DP ranks (which together hold every expert once): then one file per (TP, PP, DP) rank of
+  those, `mp_rank_{TP:02d}_{PP:03d}_{DP:03d}.safetensors`, and the layout in megatron_rl.json has that many DP
+  ranks.
 - `torch_dist`: Megatron-Core's distributed checkpoint (`dist_checkpointing`, directory `torch_dist/`),
-  written by TP x PP real ranks; any TP/PP layout can load it.
+  written by TP x PP (x the expert replica span) real ranks; any TP/PP/EP layout can load it.
 - `rl`: an iteration of an RL run's checkpoint (`iter_NNNNNNN/`): the trainer's distributed checkpoint in the
   directory itself, the model under key "model" beside the optimizer and scheduler (only the model is read).
 
 `MegatronCheckpoint` serves any HF tensor slice out of the per-rank files (the segments of the layout say
-where each HF row lives), so exporting to HF and loading at another TP/PP are the same operation.
-A trainer starts from any of them at any TP/PP (`load_megatron_weights`): per-rank files are read as HF slices,
+where each HF row lives), so exporting to HF and loading at another TP/PP/EP are the same operation.
+A trainer starts from any of them at any TP/PP/EP (`load_megatron_weights`): per-rank files are read as HF slices,
 a distributed checkpoint is resharded by Megatron-Core.
 Directories are written under a temporary name and renamed when complete: an interrupted conversion never
 leaves a directory that looks valid.
@@ -44,8 +47,19 @@ RL_FORMAT = "rl"
 DIST_CHECKPOINTS = {"torch_dist": ("torch_dist", None), RL_FORMAT: ("", "model")}
 
 
-def rank_file(tp_rank: int, pp_rank: int) -> str:
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}.safetensors"
+def rank_file(tp_rank: int, pp_rank: int, dp_rank: int | None = None) -> str:
+    """The `safetensors` format's file of a model-parallel rank; `dp_rank` only for a layout whose experts span
+    several DP ranks (`TrainerLayout.expert_replica_span` > 1)."""
+    suffix = "" if dp_rank is None else f"_{dp_rank:03d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}{suffix}.safetensors"
+
+
+def rank_files(layout: L.TrainerLayout) -> list[tuple[int, int, int, str]]:
+    """(tp, pp, dp, file name) of every rank file that holds `layout`'s weights: one per TP x PP rank, times the DP
+    ranks its experts span."""
+    span = layout.expert_replica_span
+    return [(t, p, d, rank_file(t, p, d if span > 1 else None)) for p in range(layout.pipeline_parallel_size)
+            for t in range(layout.tensor_parallel_size) for d in range(span)]
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -104,17 +118,19 @@ def validate_hf_checkpoint(spec: ModelSpec, ckpt: HFCheckpoint) -> torch.dtype:
 # ---- HF -> Megatron ---------------------------------------------------------------------------------------------
 
 LAYOUT_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", "make_vocab_size_divisible_by", "transformer_impl",
-                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size")
 
 
 def hf_to_megatron(hf_dir: str, save: str, layout: L.TrainerLayout = L.TrainerLayout(),
                    megatron_format: str = "safetensors", overwrite: bool = False, progress: bool = True) -> dict:
-    """Write `hf_dir` as a Megatron checkpoint of `layout` (its data-parallel size is ignored)."""
+    """Write `hf_dir` as a Megatron checkpoint of `layout` (its data-parallel size is replaced by the DP ranks its
+    experts span)."""
     if megatron_format not in FORMATS:
         raise ValueError(f"--megatron-format {megatron_format!r}: choose one of {FORMATS}")
     ckpt = HFCheckpoint(hf_dir)
     spec = ModelSpec.from_hf_config(ckpt.config, name=os.path.basename(os.path.normpath(hf_dir)))
-    layout = dataclasses.replace(layout, data_parallel_size=1)
+    layout = weights_layout(layout)
     layout.validate(spec)
     dtype = validate_hf_checkpoint(spec, ckpt)
     with atomic_directory(save, overwrite) as out:
@@ -164,18 +180,23 @@ def read_meta(directory: str, flag: str = "--load") -> dict:
     return meta
 
 
+def weights_layout(layout: L.TrainerLayout) -> L.TrainerLayout:
+    """`layout` with as many DP ranks as it takes to hold every weight once: 1, or the DP ranks its experts span."""
+    return dataclasses.replace(layout, data_parallel_size=layout.expert_replica_span)
+
+
 def meta_layout(meta: dict) -> L.TrainerLayout:
-    """The trainer layout (data-parallel size 1) a checkpoint's weights are sharded in."""
-    return L.TrainerLayout(**{f: meta[f] for f in LAYOUT_FIELDS if f in meta})
+    """The trainer layout a checkpoint's weights are sharded in (DP: the ranks its experts span, see
+    `weights_layout`)."""
+    return weights_layout(L.TrainerLayout(**{f: meta[f] for f in LAYOUT_FIELDS if f in meta}))
 
 
 def _write_rank_files(spec, layout, get_slice, dtype, out, progress):
-    tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
-    shards = {(t, p): L.megatron_shards(spec, layout, t, p) for p in range(pp) for t in range(tp)}
+    shards = {fname: L.megatron_shards(spec, layout, t, p, d) for t, p, d, fname in rank_files(layout)}
     bar = _progress(sum(len(s) for s in shards.values()), "HF -> Megatron", progress)
-    for (t, p), params in shards.items():
+    for fname, params in shards.items():
         entries = [(name, s.shape, dtype) for name, s in params.items()]
-        write_streaming(os.path.join(out, rank_file(t, p)), entries,
+        write_streaming(os.path.join(out, fname), entries,
                         lambda name, params=params: L.assemble(params[name], get_slice, dtype=dtype),
                         on_tensor=lambda _: bar.update())
     bar.close()
@@ -220,7 +241,8 @@ class MegatronCheckpoint:
         return list(auxiliary_files(self.directory))  # written before megatron_rl.json listed them
 
     def _dist_checkpoint_to_rank_files(self) -> str:
-        """Per-rank safetensors files of the distributed checkpoint, written by the saved layout's ranks."""
+        """Per-rank safetensors files of the distributed checkpoint, written by the saved layout's ranks (TP x PP x
+        the DP ranks its experts span)."""
         from megatron_rl.launch import run_on_ranks
 
         subdir, key = DIST_CHECKPOINTS[self.meta["format"]]
@@ -239,27 +261,29 @@ class MegatronCheckpoint:
             self._tmp = None
 
     def _build_index(self):
-        """hf_name -> [(hf_start, hf_stop, file, megatron_name, dim, offset_in_shard)], sorted by start."""
+        """hf_name -> [(hf_start, hf_stop, file, megatron_name, dim, offset_in_shard)], sorted by start. The files
+        of DP ranks > 0 (expert parallelism) are indexed for their experts only: their other tensors are replicas."""
         index: dict[str, list] = {}
-        tp, pp = self.layout.tensor_parallel_size, self.layout.pipeline_parallel_size
-        for p in range(pp):
-            for t in range(tp):
-                path = os.path.join(self._shards_dir, rank_file(t, p))
-                if not os.path.exists(path):
-                    raise FileNotFoundError(f"checkpoint file {path!r} is missing")
-                shards = L.megatron_shards(self.spec, self.layout, t, p)
-                f = SafetensorsFile(path)
-                for name, shard in shards.items():
-                    if name not in f.entries:
-                        raise ValueError(f"{path}: tensor {name!r} is missing")
-                    shape = f.entries[name][0]
-                    if shape != shard.shape:
-                        raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {shard.shape}")
-                    offset = 0
-                    for seg in shard.segments:
-                        if seg.hf_name is not None:
-                            index.setdefault(seg.hf_name, []).append((seg.start, seg.stop, f, name, shard.dim, offset))
-                        offset += seg.length
+        for t, p, d, fname in rank_files(self.layout):
+            path = os.path.join(self._shards_dir, fname)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"checkpoint file {path!r} is missing")
+            shards = L.megatron_shards(self.spec, self.layout, t, p, d)
+            replicas = L.megatron_shards(self.spec, self.layout, t, p, 0) if d else {}
+            f = SafetensorsFile(path)
+            for name, shard in shards.items():
+                if name not in f.entries:
+                    raise ValueError(f"{path}: tensor {name!r} is missing")
+                shape = f.entries[name][0]
+                if shape != shard.shape:
+                    raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {shard.shape}")
+                if replicas.get(name) == shard:
+                    continue
+                offset = 0
+                for seg in shard.segments:
+                    if seg.hf_name is not None:
+                        index.setdefault(seg.hf_name, []).append((seg.start, seg.stop, f, name, shard.dim, offset))
+                    offset += seg.length
         for pieces in index.values():
             pieces.sort(key=lambda x: x[0])
         return index
@@ -301,7 +325,7 @@ def _load_torch_dist_rank(spec, layout, directory, key, out_dir, dtype):
     parallel.initialize(layout, spec)
     model = build_gpt_model(spec, layout, transformer_config(spec, layout, params_dtype=dtype))
     load_dist_model(model, directory, key)
-    write_rank_file(model, out_dir)
+    write_rank_file(model, out_dir, layout)
     parallel.destroy()
 
 
@@ -315,20 +339,25 @@ def load_dist_model(model: torch.nn.Module, directory: str, key: str | None = No
     model.load_state_dict(state[key] if key else state, strict=False)
 
 
-def write_rank_file(model: torch.nn.Module, out_dir: str) -> str:
-    """This rank's parameters as `out_dir/mp_rank_TT_PPP.safetensors` (the `safetensors` format's file of its TP
-    and PP rank), one tensor at a time (a GPU tensor is copied to the host alone). Returns the path."""
+def write_rank_file(model: torch.nn.Module, out_dir: str, layout: L.TrainerLayout) -> str | None:
+    """This rank's parameters as its file of the `safetensors` format in `out_dir` (`rank_file` of its TP and PP
+    rank, and of its DP rank when the layout's experts span several), one tensor at a time (a GPU tensor is copied to
+    the host alone). Returns the path; None on a DP rank that holds only replicas of other ranks' files."""
     from megatron.core import parallel_state as ps
 
+    span, dp = layout.expert_replica_span, ps.get_data_parallel_rank()
+    if dp >= span:
+        return None
     params = dict(model.named_parameters())
-    path = os.path.join(out_dir, rank_file(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()))
+    path = os.path.join(out_dir, rank_file(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                           dp if span > 1 else None))
     write_streaming(path, [(n, tuple(p.shape), p.dtype) for n, p in params.items()],
                     lambda n: params[n].detach().cpu())
     return path
 
 
 def load_megatron_weights(model: torch.nn.Module, spec: ModelSpec, layout: L.TrainerLayout, directory: str) -> None:
-    """Collective over the trainer's ranks: this rank's shard of `model` (any TP/PP) from a Megatron checkpoint of
+    """Collective over the trainer's ranks: this rank's shard of `model` (any TP/PP/EP) from a Megatron checkpoint of
     this module. Per-rank safetensors files are read as HF slices (`MegatronCheckpoint.get_slice`); a distributed
     checkpoint is resharded by Megatron-Core itself (its keys follow the layer spec, which the run setup checks)."""
     from megatron_rl.trainer.weights import load_hf_weights

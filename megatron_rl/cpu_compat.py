@@ -128,11 +128,56 @@ def _patch_megatron() -> None:
     fused_softmax.get_default_causal_mask = functools.lru_cache(maxsize=None)(
         lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool())
 
+    # Mistral's sliding window builds its mask with device="cuda" too (the same recomputation path).
+    fused_softmax.get_sliding_window_causal_mask = functools.lru_cache(maxsize=None)(
+        lambda sq, skv, window_size: ~torch.tril(torch.triu(torch.ones(sq, skv, dtype=torch.bool),
+                                                            diagonal=skv - sq - window_size[0]),
+                                                 diagonal=skv - sq + window_size[1]))
+
+    _patch_moe()
+
     with contextlib.suppress(ImportError):
         from megatron.core.inference import communication_utils
 
         # Inference pipeline broadcasts assert `tensor.is_cuda`.
         communication_utils._is_cuda = lambda tensor: None
+
+
+def _with_cuda_to_cpu(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with _CudaToCpu():
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def _patch_moe() -> None:
+    """Mixture-of-experts layers (a 2-layer MoE GPTModel at EP 1 and 2 over gloo failed without these)."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils
+
+    # The router's gating matmul tests `te_general_gemm is not None`, a name moe_utils binds only when Transformer
+    # Engine imports (NameError without it): None selects its torch matmul.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # The alltoall dispatcher's split sizes are numpy arrays (or tensors); gloo's all_to_all_single takes only
+    # lists of Python ints. Its backward reuses the converted sizes.
+    forward = mappings._AllToAll.forward
+
+    def all_to_all_forward(ctx, group, input, output_split_sizes, input_split_sizes):
+        def ints(sizes):
+            return None if sizes is None else [int(x) for x in sizes]
+        return forward(ctx, group, input, ints(output_split_sizes), ints(input_split_sizes))
+
+    mappings._AllToAll.forward = staticmethod(all_to_all_forward)
+
+    # The token dispatchers' collectives (gather / reduce-scatter along the token dim, all-to-all) allocate their
+    # outputs on torch.cuda.current_device(); in the backward pass _CudaToCpu is off (see get_default_causal_mask
+    # above), so each collective's backward runs with it on again.
+    for cls in vars(mappings).values():
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and "backward" in vars(cls):
+            cls.backward = staticmethod(_with_cuda_to_cpu(vars(cls)["backward"].__func__))
 
 
 def apply(force: bool = False) -> bool:

@@ -173,7 +173,8 @@ def layouts(args, world_size: int) -> tuple[TrainerLayout, GeneratorLayout]:
                             sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
                             recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                             expert_model_parallel_size=args.expert_model_parallel_size,
-                            expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+                            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                            moe_token_dispatcher_type=args.moe_token_dispatcher_type)
     generator = GeneratorLayout(gtp, replicas, args.rollout_fp8, first_rank=trainer_world,
                                 expert_parallel_size=args.rollout_expert_parallel_size)
     return trainer, generator
@@ -195,6 +196,12 @@ def check_megatron_config(spec: ModelSpec, trainer: TrainerLayout) -> None:
     except (ValueError, AssertionError) as e:
         raise ValueError(f"Megatron-Core refuses the trainer layout ({trainer.describe()}, model {spec.name!r}): "
                          f"{e}") from None
+    if spec.is_moe and trainer.tensor_parallel_size > 1 and not trainer.sequence_parallel:
+        raise ValueError(f"a mixture of experts with --tensor-model-parallel-size {trainer.tensor_parallel_size} "
+                         "trains only with --sequence-parallel (Megatron-Core's MoE layer refuses tensor parallelism "
+                         "without it in training), which needs Transformer Engine or Apex norms; without them keep "
+                         "--tensor-model-parallel-size 1 and split the experts with --expert-model-parallel-size and "
+                         "--expert-tensor-parallel-size")
     if trainer.sequence_parallel and not trainer.transformer_engine and importlib.util.find_spec("apex") is None:
         raise ValueError("--sequence-parallel needs norms that Megatron-Core can run on sequence shards: "
                          "--transformer-impl transformer_engine, or Apex for the local spec (its torch norm refuses "
@@ -213,6 +220,9 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args)
     spec = model_spec(args, tokenizer)
     trainer, generator = layouts(args, world_size)
+    if args.moe_aux_loss_coeff and not spec.is_moe:
+        raise ValueError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff}: model {spec.name!r} has no experts "
+                         "(--num-experts)")
     validate_plan(spec, trainer, generator)  # both layouts against the model, and against each other
     if getattr(args, "use_rollout_routing_replay", False) and not spec.is_moe:
         raise ValueError(f"--use-rollout-routing-replay: model {spec.name!r} has no experts to route")
@@ -236,7 +246,8 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
         file_format(path, flag)
     if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
         checkpointing.check_checkpoint(args.load, spec, trainer.transformer_impl,
-                                       needs_reference=bool(args.kl_coef) and not args.ref_load)
+                                       needs_reference=bool(args.kl_coef) and not args.ref_load,
+                                       expert_model_parallel_size=trainer.expert_model_parallel_size)
     if args.kl_coef and args.ref_load:  # the reference's files and architecture, before any weight is built
         from megatron_rl.trainer.reference import check_reference_checkpoint
 

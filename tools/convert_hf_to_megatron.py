@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Convert a HuggingFace Llama / Qwen2 checkpoint into a Megatron-Core checkpoint at a target TP x PP.
+"""Convert a HuggingFace Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral checkpoint into a Megatron-Core
+checkpoint at a target TP x PP (and, for experts, EP x expert-TP).
 
     python tools/convert_hf_to_megatron.py --hf-dir HF --save OUT \
-        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2 [--megatron-format torch_dist]
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2 [--megatron-format torch_dist] \
+        [--target-expert-model-parallel-size 2 [--target-expert-tensor-parallel-size 1]]
 
 Streams tensor by tensor (reads only the rows each shard needs); copies the tokenizer and config files.
 """
@@ -14,6 +16,12 @@ import time
 
 from megatron_rl.models.layout import TRANSFORMER_IMPLS
 
+# The layout's errors name the trainer's flags; this tool's are these.
+TARGET_FLAGS = {"--tensor-model-parallel-size": "--target-tensor-parallel-size",
+                "--pipeline-model-parallel-size": "--target-pipeline-parallel-size",
+                "--expert-model-parallel-size": "--target-expert-model-parallel-size",
+                "--expert-tensor-parallel-size": "--target-expert-tensor-parallel-size"}
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -21,6 +29,10 @@ def main(argv=None) -> int:
     p.add_argument("--save", required=True, help="output Megatron checkpoint directory")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-model-parallel-size", type=int, default=1,
+                   help="experts split over this many EP ranks (a mixture of experts)")
+    p.add_argument("--target-expert-tensor-parallel-size", type=int,
+                   help="tensor parallelism inside each expert (default: --target-tensor-parallel-size)")
     p.add_argument("--megatron-format", choices=["safetensors", "torch_dist"], default="safetensors",
                    help="per-rank safetensors files (streamed), or Megatron-Core's distributed checkpoint")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -39,18 +51,21 @@ def main(argv=None) -> int:
     try:
         layout = TrainerLayout(args.target_tensor_parallel_size, args.target_pipeline_parallel_size, 1,
                                args.make_vocab_size_divisible_by, args.transformer_impl,
-                               args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+                               args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                               expert_model_parallel_size=args.target_expert_model_parallel_size,
+                               expert_tensor_parallel_size=args.target_expert_tensor_parallel_size)
         meta = hf_to_megatron(args.hf_dir, args.save, layout, args.megatron_format, args.overwrite,
                               not args.no_progress)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
-        # The layout's errors name the trainer's flags; this tool's are the --target-* ones.
-        message = str(e).replace("--tensor-model-parallel-size", "--target-tensor-parallel-size") \
-            .replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size")
+        message = str(e)
+        for trainer_flag, flag in TARGET_FLAGS.items():
+            message = message.replace(trainer_flag, flag)
         print(f"error: {message}", file=sys.stderr)
         return 2
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    experts = f", EP={meta['expert_model_parallel_size']}" if meta["expert_model_parallel_size"] > 1 else ""
     print(f"wrote {args.save} ({meta['format']}, TP={meta['tensor_parallel_size']}, "
-          f"PP={meta['pipeline_parallel_size']}, {meta['dtype']}) in {time.time() - start:.1f} s; "
+          f"PP={meta['pipeline_parallel_size']}{experts}, {meta['dtype']}) in {time.time() - start:.1f} s; "
           f"peak RSS {peak:.0f} MiB")
     return 0
 

@@ -35,6 +35,7 @@ Layout facts encoded here (checked against Megatron-Core 0.16 and SGLang 0.5):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -254,6 +255,7 @@ def _validate_experts(spec: ModelSpec, ep: int, etp: int, ep_flag: str, etp_flag
 # ---- the two layouts of a run ------------------------------------------------------------------------------------
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")  # Megatron-LM's --transformer-impl
+MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")  # Megatron-LM's --moe-token-dispatcher-type (not "flex": DeepEP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +268,8 @@ class TrainerLayout:
     own count (Megatron's --decoder-first/last-pipeline-num-layers, e.g. 126 layers over 16 stages as
     7 + 14 x 8 + 7); the bytes per element of the trainer's weights (what DDMA sends); and the memory-for-compute
     choices that Megatron-Core's TransformerConfig takes with them (sequence parallelism, activation recompute),
-    which change no weight's shape or place.
+    which change no weight's shape or place. With experts: expert parallelism (EP, expert TP) and Megatron-Core's
+    token dispatcher (how tokens travel to their experts' ranks).
     """
 
     tensor_parallel_size: int = 1
@@ -283,6 +286,7 @@ class TrainerLayout:
     recompute_num_layers: int | None = None
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None  # None: the TP size (Megatron-Core's default)
+    moe_token_dispatcher_type: str = "alltoall"  # Megatron-Core's token dispatcher (--moe-token-dispatcher-type)
 
     @property
     def expert_tp(self) -> int:
@@ -297,8 +301,9 @@ class TrainerLayout:
     @property
     def expert_replica_span(self) -> int:
         """How many data-parallel ranks (dp = 0, 1, ...) it takes, with all TP ranks, to hold every expert
-        shard once: 1 without expert parallelism."""
-        return max(1, self.expert_model_parallel_size * self.expert_tp // self.tensor_parallel_size)
+        shard once (the period of `expert_ranks` in dp): 1 without expert parallelism."""
+        return math.lcm(self.tensor_parallel_size, self.expert_model_parallel_size * self.expert_tp) \
+            // self.tensor_parallel_size
 
     @property
     def model_parallel_size(self) -> int:
@@ -367,6 +372,9 @@ class TrainerLayout:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(f"--transformer-impl {self.transformer_impl!r}: choose one of {TRANSFORMER_IMPLS}")
+        if self.moe_token_dispatcher_type not in MOE_TOKEN_DISPATCHERS:
+            raise ValueError(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type!r}: choose one of "
+                             f"{MOE_TOKEN_DISPATCHERS}")
         _validate_tp(spec, self.tensor_parallel_size, "trainer", allow_kv_replication=False)
         _validate_experts(spec, self.expert_model_parallel_size, self.expert_tp, "--expert-model-parallel-size",
                           "--expert-tensor-parallel-size")

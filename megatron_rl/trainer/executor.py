@@ -51,7 +51,8 @@ class TrainerExecutor:
                               adam_eps=args.adam_eps, bf16=args.bf16,
                               use_distributed_optimizer=args.use_distributed_optimizer, init_weights=init,
                               device=roles.device, use_cpu_initialization=args.use_cpu_initialization,
-                              routing_replay=args.use_rollout_routing_replay)
+                              routing_replay=args.use_rollout_routing_replay,
+                              moe_aux_loss_coeff=args.moe_aux_loss_coeff)
         self.scheduler = build_scheduler(policy, args.lr_warmup_iters, args.train_iters, args.lr_decay_style,
                                          args.lr_wsd_decay_iters, args.lr_wsd_decay_style)
         self.rl_algo = AlgorithmConfig(loss=args.loss, rho=args.aipo_rho, clip_eps=args.ppo_clip_eps,

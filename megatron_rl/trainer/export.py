@@ -7,8 +7,9 @@ the run's tokenizer and a `generation_config.json`. The trainer's "save" writes 
 iteration, so that tools/convert_megatron_to_hf.py exports an iteration and --load-megatron starts a run from one.
 
 `save_hf` (the trainer's "save_hf" command) writes the policy as an HF checkpoint without any rank holding the
-whole model: each trainer rank of data-parallel rank 0 writes its own shard file (the per-rank `safetensors`
-format of `conversion`), then trainer rank 0 assembles the HF tensors one at a time from those files
+whole model: each trainer rank of data-parallel rank 0 (and, with expert parallelism, of the next DP ranks up to
+the layout's expert replica span, which hold the other experts) writes its own shard file (the per-rank
+`safetensors` format of `conversion`), then trainer rank 0 assembles the HF tensors one at a time from those files
 (`conversion.megatron_to_hf`) and removes them.
 """
 
@@ -78,15 +79,13 @@ def save_hf(model: torch.nn.Module, description: ModelDescription, directory: st
     """Collective over the trainer's ranks: write this run's policy (`model` is this rank's shard) as an HF
     checkpoint in `directory`, replaced atomically. The rank files go to `directory`.shards/, removed after."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     shards = os.path.abspath(directory) + ".shards"
     if dist.get_rank() == 0:
         shutil.rmtree(shards, ignore_errors=True)  # left by an interrupted export
         os.makedirs(shards)
     dist.barrier()
-    if ps.get_data_parallel_rank() == 0:
-        conversion.write_rank_file(model, shards)
+    conversion.write_rank_file(model, shards, description.layout)  # DP rank 0, and those with other experts
     dist.barrier()
     if dist.get_rank() == 0:
         try:

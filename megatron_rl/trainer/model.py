@@ -1,4 +1,5 @@
-"""Llama/Qwen2-style GPT on Megatron-Core: RMSNorm, SwiGLU, RoPE, grouped-query attention.
+"""Llama/Qwen2/Qwen3/Mistral-style GPT on Megatron-Core: RMSNorm, SwiGLU, RoPE, grouped-query attention, and the
+mixture-of-experts Qwen3-MoE and Mixtral.
 
 Everything about the model's shape on this rank comes from the run's `TrainerLayout`: TP and PP sizes, the
 layers of each pipeline stage (uneven first/last stages as Megatron-Core's `num_layers_in_first/last_
@@ -6,6 +7,16 @@ pipeline_stage`), vocabulary padding, and the layer spec (`--transformer-impl`: 
 Transformer Engine's, whose parameter names the layout mapping then uses). As in Megatron-LM, weights are created
 on the rank's GPU unless `use_cpu_initialization` (Megatron's --use-cpu-initialization, always on for a CPU rank):
 then every TP layout of the same seed holds the same full weights, which is what the parity tests rely on.
+
+Architecture fields map to Megatron-Core's TransformerConfig: the head size (`kv_channels`, Qwen3's is not hidden /
+heads), Qwen3's per-head q/k RMSNorm (`qk_layernorm`), Mistral's sliding window W (Megatron's `window_size` (W - 1,
+0): each token sees itself and the W - 1 before it, which the local DotProductAttention's torch softmax and
+Transformer Engine both apply), and experts. A mixture of experts is Megatron's MoE layer with a softmax router:
+HF's top-k renormalized (`moe_norm_topk_prob`, Qwen3-MoE's norm_topk_prob and always Mixtral's) is top-k of the
+logits then a softmax over those k (moe_router_pre_softmax False); without renormalization it is a softmax over all
+experts, then top-k (moe_router_pre_softmax True). The router's load-balancing loss is Megatron's "aux_loss" with
+`moe_aux_loss_coeff` (--moe-aux-loss-coeff, 0: none). Experts are Megatron's local SequentialMLP in the local spec
+and Transformer Engine's grouped GEMM in its spec, whose parameter names models.layout maps.
 """
 
 from __future__ import annotations
@@ -24,10 +35,19 @@ def have_transformer_engine() -> bool:
 
 
 def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: torch.dtype = torch.float32,
-                       use_cpu_initialization: bool = True, **overrides):
+                       use_cpu_initialization: bool = True, moe_aux_loss_coeff: float = 0.0, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout.validate(spec)
+    moe = {}
+    if spec.is_moe:
+        moe = dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+                   moe_router_topk=spec.moe_router_topk, moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+                   moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe_aux_loss_coeff,
+                   moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
+                   moe_grouped_gemm=layout.transformer_engine,
+                   expert_model_parallel_size=layout.expert_model_parallel_size,
+                   expert_tensor_parallel_size=layout.expert_tp)
     kwargs = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -35,6 +55,8 @@ def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: 
         num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_key_value_heads,
         kv_channels=spec.head_dim,
+        qk_layernorm=spec.qk_layernorm,
+        window_size=(spec.sliding_window - 1, 0) if spec.sliding_window else None,
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_eps,
         gated_linear_unit=True,
@@ -64,21 +86,26 @@ def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: 
         recompute_granularity=layout.recompute_granularity,
         recompute_method=layout.recompute_method,
         recompute_num_layers=layout.recompute_num_layers,
+        **moe,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(transformer_impl: str):
-    """Megatron-Core's layer spec for `--transformer-impl`; Transformer Engine must be importable for its spec."""
+def layer_spec(transformer_impl: str, spec: ModelSpec | None = None):
+    """Megatron-Core's layer spec for `--transformer-impl` and the model's q/k norms and experts (Transformer
+    Engine's experts are its grouped GEMM, the names models.layout uses); Transformer Engine must be importable
+    for its spec."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    options = dict(num_experts=spec.num_experts or None, qk_layernorm=spec.qk_layernorm) if spec is not None else {}
     if transformer_impl == "transformer_engine":
         if not have_transformer_engine():
             raise ValueError("--transformer-impl transformer_engine needs Transformer Engine and a CUDA device "
                              "(pip install 'megatron-rl[gpu]'); use --transformer-impl local without them")
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            moe_grouped_gemm=bool(options.get("num_experts")), **options)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
 
 
 def build_gpt_model(spec: ModelSpec, layout: TrainerLayout, config=None, *, max_sequence_length: int | None = None):
@@ -93,7 +120,7 @@ def build_gpt_model(spec: ModelSpec, layout: TrainerLayout, config=None, *, max_
         raise ValueError(f"model {spec.name!r}: Megatron-Core supports only Llama-3.1 rope_scaling constants")
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(layout.transformer_impl),
+        transformer_layer_spec=layer_spec(layout.transformer_impl, spec),
         vocab_size=spec.padded_vocab_size(layout.tensor_parallel_size, layout.make_vocab_size_divisible_by),
         max_sequence_length=max_sequence_length or spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -1,4 +1,5 @@
-"""Megatron-Core's parallel state for the trainer's ranks, from the run's one `TrainerLayout`."""
+"""Megatron-Core's parallel state for the trainer's ranks, from the run's one `TrainerLayout` (TP, PP, and with
+experts EP x expert-TP groups carved out of each stage's TP x DP ranks)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def initialize(layout: TrainerLayout, spec: ModelSpec | None = None, seed: int =
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tp,
     )
     model_parallel_cuda_manual_seed(seed)
     return device

@@ -5,6 +5,11 @@ Loss normalization is exact across micro-batches and data-parallel ranks: the ca
 a SUM over its tokens already divided by the global normalizer (for example the number of valid tokens in
 the whole global batch); the runner multiplies by the number of micro-batches and the DP size, which is
 exactly what Megatron's schedule (divides by micro-batches) and DDP (averages over DP) then undo.
+
+A mixture of experts adds its routers' load-balancing loss (--moe-aux-loss-coeff) as Megatron-LM does: each
+micro-batch's router attaches coeff x its aux loss to the backward pass (MoEAuxLossAutoScaler), scaled by the
+schedule by 1 / micro-batches and averaged over DP by DDP, so the step's aux loss is coeff x the mean over all
+its micro-batches (every DP rank's) of each micro-batch's own load-balancing loss, whatever the layout.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def build_policy(
     device: torch.device | str | None = None,
     use_cpu_initialization: bool = False,
     routing_replay: bool = False,
+    moe_aux_loss_coeff: float = 0.0,
 ) -> Policy:
     """Build this rank's model shard on `device` (default: the current CUDA device, else the CPU), wrap it in
     Megatron DDP and create Megatron's optimizer.
@@ -62,8 +68,9 @@ def build_policy(
     bf16 follows Megatron: bf16 parameters and compute, gradients reduced and accumulated in fp32 (`main_grad`),
     fp32 main parameters and Adam states in the optimizer. `init_weights(module)` runs before the DDP wrapper
     copies parameters into its buffers (e.g. loading HF weights). The weights are initialized on the CPU first
-    when `use_cpu_initialization` or `device` is the CPU. `routing_replay`: the MoE routers can replay recorded
-    routes (`trainer.routing_replay`).
+    when `use_cpu_initialization` or `device` is the CPU. `moe_aux_loss_coeff`: the weight of the routers'
+    load-balancing loss (a mixture of experts; see the module docstring). `routing_replay`: the MoE routers can replay
+    recorded routes (`trainer.routing_replay`).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -74,7 +81,8 @@ def build_policy(
     dtype = torch.bfloat16 if bf16 else torch.float32
     replay = {"moe_enable_routing_replay": True} if routing_replay else {}
     config = transformer_config(spec, layout, params_dtype=dtype,
-                                use_cpu_initialization=use_cpu_initialization or device.type == "cpu", **replay)
+                                use_cpu_initialization=use_cpu_initialization or device.type == "cpu",
+                                moe_aux_loss_coeff=moe_aux_loss_coeff, **replay)
     module = build_gpt_model(spec, layout, config).to(device)  # a no-op for weights made on the device
     if init_weights is not None:
         init_weights(module)
@@ -170,6 +178,28 @@ def forward_logprobs(policy: Policy | torch.nn.Module, microbatches: list[dict[s
         return logits.sum() * 0, {"logprobs": lp}
 
     return [out["logprobs"] for out in run_microbatches(policy, microbatches, fn, forward_only=True)]
+
+
+def moe_aux_loss(policy: Policy, num_microbatches: int) -> float | None:
+    """Collective over the trainer: the routers' load-balancing loss of the micro-batches just trained (without its
+    coefficient), averaged over micro-batches, layers and DP ranks, as Megatron-LM logs it; None when the policy has
+    none (a dense model, or --moe-aux-loss-coeff 0). Resets Megatron-Core's tracker for the next step."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe import moe_utils
+
+    entry = moe_utils.get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    if entry is None or not policy.config.num_moe_experts or not policy.config.moe_aux_loss_coeff:
+        return None
+    values = entry["values"].detach().clone()  # per layer, summed over micro-batches; this stage's layers only
+    num_layers = values.numel()
+    # Megatron's reduce_aux_losses_tracker_across_ranks, with a sum and a division for its DP average (gloo has
+    # no AVG): the stages' layers, the shares of the router's reduce group, then the DP ranks.
+    dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
+    if entry.get("reduce_group") is not None:
+        dist.all_reduce(values, group=entry["reduce_group"])
+    dist.all_reduce(values, group=ps.get_data_parallel_group())
+    moe_utils.clear_aux_losses_tracker()
+    return float(values.sum()) / (ps.get_data_parallel_world_size() * num_microbatches * num_layers)
 
 
 def grads_finite(policy: Policy) -> bool:

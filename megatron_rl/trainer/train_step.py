@@ -19,7 +19,7 @@ from megatron_rl import algorithms
 from megatron_rl.algorithms import AlgorithmConfig
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
-from megatron_rl.trainer.policy import Policy, forward_logprobs, optimizer_step, run_microbatches
+from megatron_rl.trainer.policy import Policy, forward_logprobs, moe_aux_loss, optimizer_step, run_microbatches
 from megatron_rl.trainer.reference import ReferenceModel
 
 
@@ -98,6 +98,7 @@ class PolicyTrainer:
             self._add_reference_logprobs(microbatches)
         stats = run_microbatches(self.policy, microbatches,
                                  lambda logits, mb: policy_loss(self.algo, logits, mb, vocab, normalizer))
+        aux_loss = moe_aux_loss(self.policy, len(microbatches))
         if before_update is not None:
             before_update()
         step = optimizer_step(self.policy)
@@ -108,6 +109,8 @@ class PolicyTrainer:
         if ps.is_pipeline_last_stage():
             metrics = self._reduce_stats(stats)
         metrics = _share_from_last_stage(metrics)
+        if aux_loss is not None:
+            metrics["moe_aux_loss"] = aux_loss
         elapsed = time.perf_counter() - start
         metrics.update(step, lr=self.policy.optimizer.param_groups[0]["lr"], step_time_s=elapsed,
                        trained_tokens=int(batch.loss_mask.sum()), tokens_per_s=int(batch.loss_mask.sum()) / elapsed)

@@ -12,14 +12,11 @@ from megatron_rl.models.spec import ModelSpec
 
 def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, layout: L.TrainerLayout,
                     get_slice: Callable[[L.Segment, int], torch.Tensor] | Mapping[str, torch.Tensor]) -> None:
-    """Copy HF weights (a mapping, or a `get_slice` reader) into this rank's shard of `model`, whose TP and PP
-    ranks come from Megatron's parallel state."""
-    from megatron.core import parallel_state as ps
-
+    """Copy HF weights (a mapping, or a `get_slice` reader) into this rank's shard of `model`, whose TP, PP and DP
+    ranks come from Megatron's parallel state (the DP rank picks the experts of an expert-parallel rank)."""
     if isinstance(get_slice, Mapping):
         get_slice = L.slicer(get_slice)
-    shards = L.megatron_shards(spec, layout, ps.get_tensor_model_parallel_rank(),
-                               ps.get_pipeline_model_parallel_rank())
+    shards = rank_shards(spec, layout)
     params = dict(model.named_parameters())
     unexpected = sorted(set(params) - set(shards))
     missing = sorted(set(shards) - set(params))
@@ -29,6 +26,22 @@ def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, layout: L.TrainerLa
     with torch.no_grad():
         for name, shard in shards.items():
             params[name].copy_(L.assemble(shard, get_slice, dtype=params[name].dtype))
+
+
+def rank_shards(spec: ModelSpec, layout: L.TrainerLayout) -> dict[str, L.ShardLayout]:
+    """The layout of every parameter of this rank, from Megatron's parallel state. With experts, the layout's
+    expert ranks of this (TP, DP) rank are checked against the expert groups Megatron-Core built: a mismatch would
+    put experts on the wrong ranks without any shape error."""
+    from megatron.core import parallel_state as ps
+
+    tp, dp = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+    if spec.is_moe:
+        mine = layout.expert_ranks(dp, tp)
+        megatron = (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
+        if mine != megatron:
+            raise RuntimeError(f"{layout.describe()}: trainer rank (TP {tp}, DP {dp}) is (EP, expert-TP) rank "
+                               f"{megatron} in Megatron-Core's groups but {mine} in the layout")
+    return L.megatron_shards(spec, layout, tp, ps.get_pipeline_model_parallel_rank(), dp)
 
 
 def load_weights_from(model: torch.nn.Module, spec: ModelSpec, layout: L.TrainerLayout, directory: str,
@@ -49,14 +62,18 @@ def load_weights_from(model: torch.nn.Module, spec: ModelSpec, layout: L.Trainer
 
 
 def merge_to_hf(spec: ModelSpec, layout: L.TrainerLayout,
-                shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Full HF tensors from the parameters of every (tp_rank, pp_rank) of one model replica."""
+                shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full HF tensors from the parameters of ranks keyed (tp_rank, pp_rank) (one model replica, DP rank 0) or
+    (tp_rank, pp_rank, dp_rank): with expert parallelism, the ranks of DP 0 .. `layout.expert_replica_span` - 1
+    together hold every expert."""
     shapes = L.hf_shapes(spec)
     hf: dict[str, torch.Tensor] = {}
-    for (tp_rank, pp_rank), params in shards.items():
-        for name, shard in L.megatron_shards(spec, layout, tp_rank, pp_rank).items():
+    for key, params in shards.items():
+        tp_rank, pp_rank, dp_rank = (*key, 0)[:3]
+        for name, shard in L.megatron_shards(spec, layout, tp_rank, pp_rank, dp_rank).items():
             if name not in params:
-                raise KeyError(f"tensor {name!r} of TP rank {tp_rank}, PP rank {pp_rank} is missing")
+                raise KeyError(f"tensor {name!r} of TP rank {tp_rank}, PP rank {pp_rank}, DP rank {dp_rank} is "
+                               "missing")
             if name == "output_layer.weight" and spec.tie_word_embeddings:
                 continue  # the last stage's copy of the tied embedding
             L.scatter(shard, params[name], hf, shapes)
