@@ -117,7 +117,7 @@ def test_replayed_routes_equal_transformers_forced_to_the_same_experts(norm_topk
     torch.testing.assert_close(out["own"][mask], expected_own[mask], atol=2e-5, rtol=0)
     assert torch.equal(out["replayed_own"], out["own"])  # the model's own routes: the same computation
     torch.testing.assert_close(out["replayed_other"][mask], expected_other[mask], atol=2e-5, rtol=0)
-    assert (out["replayed_other"] - out["own"])[mask].abs().max() > 1e-2  # the replay really changed the routes
+    assert (out["replayed_other"] - out["own"])[mask].abs().max() > 1e-3  # the replay really changed the routes
     assert torch.equal(out["after"], out["own"])
     # Megatron's own routes are HF's own top-k: both models route each token to the same experts.
     with torch.no_grad():
