@@ -46,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-query-groups", type=int, help="key/value heads; needs --group-query-attention")
     g.add_argument("--max-position-embeddings", type=int, help="override the architecture's maximum positions")
     g.add_argument("--kv-channels", type=int, help="head size, when not --hidden-size / --num-attention-heads")
-    g.add_argument("--qk-layernorm", action="store_true", help="RMSNorm of each query and key head (Qwen3)")
     g.add_argument("--num-experts", type=int,
                    help="a mixture of experts in every layer (a Llama/Mistral becomes Mixtral-style, a Qwen3 "
                         "Qwen3-MoE-style)")

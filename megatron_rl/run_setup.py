@@ -135,8 +135,6 @@ def model_spec(args, tokenizer) -> ModelSpec:
                                    ("kv_channels", args.kv_channels), ("num_experts", args.num_experts),
                                    ("moe_router_topk", args.moe_router_topk),
                                    ("moe_ffn_hidden_size", args.moe_ffn_hidden_size)) if v is not None}
-    if args.qk_layernorm:
-        overrides["qk_layernorm"] = True
     if args.num_experts and spec.arch in MOE_VARIANT:
         overrides["arch"] = MOE_VARIANT[spec.arch]
     if args.num_experts and not spec.is_moe:  # a dense architecture becomes a mixture: defaults for the rest

@@ -133,10 +133,15 @@ def test_with_routes_pads_positions_without_a_route():
     routes = [[[[(t + layer + j) % SPEC.num_experts for j in range(k)] for layer in range(layers)]
                for t in range(p + r - 1)]  # the generator never ran the last sampled token
               for p, r in zip([3, 5, 2, 4], [6, 2, 9, 4])]
-    out = batch.with_routes(routes).padded(8)
+    lengths = [p + r for p, r in zip([3, 5, 2, 4], [6, 2, 9, 4])]
+    out = batch.with_routes(routes, lengths).padded(8)
     assert out.routed_experts.shape == (4, 16, layers, k)
     assert out.routed_experts[0, 7].tolist() == routes[0][7]
     assert out.routed_experts[0, 8:].tolist() == [[list(range(k))] * layers] * 8  # last token and padding
     assert out.rows(slice(1, 2)).routed_experts[0, 5].tolist() == routes[1][5]
-    with pytest.raises(ValueError, match="rollout 2 of the batch has no routed experts"):
-        batch.with_routes([routes[0], routes[1], None, routes[3]])
+    with pytest.raises(ValueError, match="rollout 2 of the batch carries no routed experts"):
+        batch.with_routes([routes[0], routes[1], None, routes[3]], lengths)
+    with pytest.raises(ValueError, match="rollout 1 has routes for 3 positions, its prompt and response have 7"):
+        batch.with_routes([routes[0], routes[1][:3], routes[2], routes[3]], lengths)
+    no_route = batch.with_routes([routes[0], [], routes[2], routes[3]], [lengths[0], 0, lengths[2], lengths[3]])
+    assert no_route.routed_experts[1].tolist() == [[list(range(k))] * layers] * 11

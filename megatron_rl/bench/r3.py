@@ -89,7 +89,8 @@ def measure(dtype: torch.dtype, fp8: bool, num_prompts: int, response_len: int, 
     outputs = _rollouts(hf_dir, dtype, fp8, num_prompts, response_len)
     batch = TrainBatch.from_sequences([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
                                       [o.logprobs for o in outputs], [0.0] * len(outputs))
-    batch = batch.with_routes([o.routed_experts for o in outputs])
+    batch = batch.with_routes([o.routed_experts for o in outputs],
+                              [len(o.prompt_token_ids) + len(o.token_ids) for o in outputs])
     plain, replayed, own = run_on_ranks(_trainer_rank, 1, hf_dir, batch, batch.routed_experts)[0]
     # Positions the generator ran (prompt and response but the last token), where both routes exist.
     ran = torch.zeros(batch.tokens.shape, dtype=torch.bool)

@@ -56,6 +56,16 @@ class ModelSpec:
                              "moe_ffn_hidden_size > 0")
         if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
             object.__setattr__(self, "kv_channels", None)  # one spelling of the default head size
+        # Fields an architecture's HF config cannot express would not survive an export: refuse them here.
+        if self.kv_channels is not None and not ARCHITECTURES[self.arch]["head_dim"]:
+            raise ValueError(f"model {self.name!r}: arch {self.arch!r} has no head size of its own (kv_channels "
+                             f"{self.kv_channels})")
+        if self.qk_layernorm != (self.arch in ("qwen3", "qwen3_moe")):
+            raise ValueError(f"model {self.name!r}: q/k norms (qk_layernorm) are part of Qwen3 and Qwen3-MoE only, "
+                             f"arch {self.arch!r} {'has' if not self.qk_layernorm else 'has none'}")
+        if self.sliding_window is not None and self.arch not in ("mistral", "mixtral"):
+            raise ValueError(f"model {self.name!r}: a sliding window is supported for Mistral and Mixtral, not "
+                             f"arch {self.arch!r}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model {self.name!r}: hidden_size {self.hidden_size} is not divisible by "
@@ -193,8 +203,12 @@ class ModelSpec:
         if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
             rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         sliding_window = config.get("sliding_window")
-        if arch in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window"):
+        if arch in ("qwen2", "qwen3", "qwen3_moe"):
+            if config.get("use_sliding_window"):  # per layer above max_window_layers in HF: not modelled here
+                raise ValueError("config.json field 'use_sliding_window' = true is not supported for Qwen models")
             sliding_window = None  # Qwen configs carry a window that is off unless use_sliding_window
+        elif arch == "llama":
+            sliding_window = None
         moe = _moe_fields(arch, config)
         return cls(
             name=name or config.get("_name_or_path") or model_type,

@@ -62,7 +62,7 @@ def build_local_engine(setup: RunSetup, roles: Roles) -> Engine:
                         max_slots=args.rollout_max_running + 1, max_seq_len=args.seq_length, device=roles.device,
                         ep_size=setup.generator.expert_parallel_size)
     return LocalEngine(decoder, eos_token_ids=setup.stop_token_ids, seed=args.seed,
-                       chunk_tokens=args.partial_rollout_max_tokens)
+                       chunk_tokens=args.partial_rollout_max_tokens, record_routes=args.use_rollout_routing_replay)
 
 
 def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:

@@ -56,18 +56,20 @@ class _Request:
 
 class LocalEngine:
     def __init__(self, decoder: TPDecoder, eos_token_ids: Iterable[int] = (), seed: int = 0,
-                 chunk_tokens: int | None = None):
+                 chunk_tokens: int | None = None, record_routes: bool | None = None):
         """`chunk_tokens`: a request that generated this many tokens under the current weights yields its slot
         (it waits, keeping its tokens, until the next weight update, or until nothing else is waiting), so
         long generations do not hold back short ones: the paper's chunked partial rollouts.
 
-        A mixture-of-experts model's outputs carry `routed_experts` (see `RolloutOutput`): each position's
+        `record_routes` (default: whether the model is a mixture of experts; a run sets it from
+        --use-rollout-routing-replay): the outputs carry `routed_experts` (see `RolloutOutput`): each position's
         experts as the decoder routed them when it computed that position. A request whose KV cache is dropped
         (retract, a chunk boundary) is prefilled again on resuming, and the routes of all its positions are
         replaced by that prefill's, computed by the weights it resumes under (as SGLang does); with "in_place"
         the positions computed before the update keep the old weights' routes, as they keep their KV cache."""
         self.decoder = decoder
         self.spec = decoder.spec
+        self.record_routes = self.spec.is_moe if record_routes is None else record_routes and self.spec.is_moe
         self.eos_token_ids = tuple(eos_token_ids)
         self.seed = seed
         self.weight_version = 0
@@ -123,7 +125,7 @@ class LocalEngine:
         seed = params.seed if params.seed is not None else hash((self.seed, rid)) & 0x7FFFFFFF
         generator = torch.Generator().manual_seed(seed)
         self._queue.append(_Request(rid, list(prompt_token_ids), params, generator,
-                                    routes=[] if self.spec.is_moe else None))
+                                    routes=[] if self.record_routes else None))
         return rid
 
     def has_work(self) -> bool:
@@ -211,7 +213,9 @@ class LocalEngine:
         return finished
 
     def _routes(self) -> torch.Tensor | None:
-        """The last forward's routes on the CPU (one small int32 copy per step), or None for a dense model."""
+        """The last forward's routes on the CPU (one small int32 copy per step), or None when not recorded."""
+        if not self.record_routes:
+            return None
         routes = self.decoder.last_routes
         return None if routes is None else routes.cpu()
 

@@ -67,26 +67,34 @@ class TrainBatch:
         blp[resp_rows, resp_cols] = torch.tensor([v for lp in behavior_logprobs for v in lp], dtype=torch.float32)
         return cls(tokens, mask, blp, torch.tensor(advantages, dtype=torch.float32))
 
-    def with_routes(self, routes: Sequence[Sequence[Sequence[Sequence[int]]]]) -> TrainBatch:
-        """This batch with each row's recorded routes ([tokens][layers][topk] expert ids, for the row's prompt and
-        response tokens: a generator may leave out the last sampled token, which it never ran through the model).
-        Positions without a route (that last token, padding) get experts 0..topk-1: they are causally after every
-        position a loss is computed at, so they change no trained log-prob."""
-        if len(routes) != len(self):
-            raise ValueError(f"routed experts for {len(routes)} rollouts, the batch has {len(self)}")
-        first = next((r for r in routes if r), None)
-        if first is None:
-            raise ValueError("rollout routing replay: no rollout carries routed experts (is the model a mixture "
-                             "of experts, and does the generator record them?)")
-        num_layers, topk = len(first[0]), len(first[0][0])
+    def with_routes(self, routes: Sequence[Sequence[Sequence[Sequence[int]]]], lengths: Sequence[int]) -> TrainBatch:
+        """This batch with each row's recorded routes: `routes[i]` is [positions][layers][topk] expert ids for
+        row i's prompt and response tokens, `lengths[i]` their number; a generator may leave out the last sampled
+        token, which it never ran through the model. Positions without a route (that last token, padding) get
+        experts 0..topk-1: they are causally after every position a loss is computed at, so they change no
+        trained log-prob. A row of length 0 takes no routes (a rollout that trains nothing, see `from_groups`)."""
+        if len(routes) != len(self) or len(lengths) != len(self):
+            raise ValueError(f"routed experts for {len(routes)} rollouts ({len(lengths)} lengths), the batch has "
+                             f"{len(self)}")
+        tensors = []
+        for i, (r, n) in enumerate(zip(routes, lengths)):
+            if r is None:
+                raise ValueError(f"--use-rollout-routing-replay: rollout {i} of the batch carries no routed experts "
+                                 "(a generator that does not record them, or a checkpoint from a run without the "
+                                 "flag)")
+            if n and len(r) not in (n - 1, n):
+                raise ValueError(f"--use-rollout-routing-replay: rollout {i} has routes for {len(r)} positions, "
+                                 f"its prompt and response have {n}")
+            tensors.append(torch.tensor(r, dtype=torch.int16) if n else None)
+        shapes = {tuple(t.shape[1:]) for t in tensors if t is not None}
+        if len(shapes) != 1:
+            raise ValueError(f"--use-rollout-routing-replay: the batch's routes have (layers, topk) {sorted(shapes)}")
+        (num_layers, topk), = shapes
         n, length = self.tokens.shape
         out = torch.arange(topk, dtype=torch.int16).expand(n, length, num_layers, topk).clone()
-        for i, r in enumerate(routes):
-            if r is None:
-                raise ValueError(f"rollout {i} of the batch has no routed experts")
-            if len(r) > length:
-                raise ValueError(f"rollout {i}: routes for {len(r)} tokens, the batch has {length} positions")
-            out[i, :len(r)] = torch.tensor(r, dtype=torch.int16)
+        for i, t in enumerate(tensors):
+            if t is not None:
+                out[i, :len(t)] = t
         return dataclasses.replace(self, routed_experts=out)
 
     def __len__(self) -> int:
@@ -134,7 +142,8 @@ class TrainBatch:
         rollout's per-token KL summed over its response (`kl_reward_penalty`, with the behavior log-probs: the
         policy that sampled it) before the advantages, as verl's `apply_kl_penalty` does.
 
-        `routing_replay` (--use-rollout-routing-replay): the batch carries each rollout's recorded routes."""
+        `routing_replay` (--use-rollout-routing-replay): the batch carries each rollout's recorded routes; an aborted
+        rollout whose routes stop short carries no gradient."""
         rollouts = [r for g in groups for r in g]
         rewards = torch.tensor([r.reward.reward for r in rollouts], dtype=torch.float32)
         group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g])
@@ -146,7 +155,15 @@ class TrainBatch:
         batch = cls.from_sequences([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
                                    [o.logprobs for o in outputs], [0.0] * len(rollouts), masks)
         if routing_replay:
-            batch = batch.with_routes([o.routed_experts for o in outputs])
+            lengths = [len(o.prompt_token_ids) + len(o.token_ids) for o in outputs]
+            # An aborted request may stop before its routes cover it: it keeps its reward in its group's baseline
+            # but trains nothing (its positions would otherwise run through experts it was never routed to).
+            unrouted = [o.finish_reason == "abort" and (o.routed_experts is None or len(o.routed_experts) < n - 1)
+                        for o, n in zip(outputs, lengths)]
+            if any(unrouted):
+                batch.loss_mask[torch.tensor(unrouted)] = False
+            batch = batch.with_routes([[] if cut else o.routed_experts for o, cut in zip(outputs, unrouted)],
+                                      [0 if cut else n for n, cut in zip(lengths, unrouted)])
         if reference is not None:
             batch.ref_logprobs = reference(batch)
             rewards = rewards - kl_reward_penalty(batch.behavior_logprobs, batch.ref_logprobs, batch.loss_mask,

@@ -43,6 +43,7 @@ def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: 
     if spec.is_moe:
         moe = dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
                    moe_router_topk=spec.moe_router_topk, moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+                   moe_router_dtype="fp32",  # routes in fp32 whatever the compute dtype, as the built-in engine does
                    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe_aux_loss_coeff,
                    moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
                    moe_grouped_gemm=layout.transformer_engine,

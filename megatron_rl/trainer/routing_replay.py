@@ -5,8 +5,9 @@ pick different top-k experts for the same token: a tiny logit difference flips a
 log-prob then comes from a different sub-network. Its importance ratio then measures the routers'
 disagreement, not the policy's change. With `--use-rollout-routing-replay` the generator records the top-k
 experts of every token in every layer (`RolloutOutput.routed_experts`), and the trainer's forward passes use
-exactly those experts; the router's probabilities are still the trainer's own (softmax over the replayed
-experts' scores, so gradients reach the router as usual).
+exactly those experts; the router's weights for them are still the trainer's own (its softmax over the replayed
+experts' scores when top-k is renormalized, else its softmax over all experts taken at the replayed ones), so
+gradients reach the router as usual.
 
 This drives Megatron-Core's own mechanism (`moe_enable_routing_replay`, one `RouterReplay` per router): before
 each micro-batch's forward, every router of this rank's pipeline stage is given that micro-batch's routes for
