@@ -13,9 +13,12 @@ keeps its reason:
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import time
 from collections import Counter, OrderedDict
+
+import torch
 
 from megatron_rl.algorithms import lag_histogram
 from megatron_rl.algorithms.gates import failure_gate, version_gate
@@ -48,10 +51,24 @@ class Rollout:
     def failed(self) -> bool:
         return self.reward.is_failure or self.output.finish_reason == "failure"
 
+    def to_dict(self) -> dict:
+        """JSON-ready (the RL checkpoint's buffered rollouts); recorded routes as base64 of their int16 bytes."""
+        routes = self.output.routed_experts
+        d = dataclasses.asdict(dataclasses.replace(self, output=dataclasses.replace(self.output, routed_experts=None)))
+        if routes is not None:
+            d["output"]["routed_experts"] = {"shape": list(routes.shape),
+                                             "int16": base64.b64encode(routes.numpy().tobytes()).decode("ascii")}
+        return d
+
     @classmethod
     def from_dict(cls, d: dict) -> Rollout:
-        return cls(RolloutOutput(**d["output"]), RequestMeta(**d["meta"]), RewardResult(**d["reward"]),
-                   d["finished_at"])
+        output = dict(d["output"])
+        routes = output.get("routed_experts")
+        if routes is not None:
+            raw = bytearray(base64.b64decode(routes["int16"]))
+            output["routed_experts"] = torch.frombuffer(raw, dtype=torch.int16).view(*routes["shape"]) if raw else \
+                torch.empty(routes["shape"], dtype=torch.int16)
+        return cls(RolloutOutput(**output), RequestMeta(**d["meta"]), RewardResult(**d["reward"]), d["finished_at"])
 
 
 @dataclasses.dataclass
@@ -124,7 +141,7 @@ class RolloutBuffer:
                      rewards, outcomes)
 
     def state_dict(self) -> dict:
-        return {"groups": {p: [dataclasses.asdict(r) for r in g] for p, g in self._groups.items()},
+        return {"groups": {p: [r.to_dict() for r in g] for p, g in self._groups.items()},
                 "discards": dict(self.discards)}
 
     def load_state_dict(self, state: dict) -> None:

@@ -145,3 +145,34 @@ def test_with_routes_pads_positions_without_a_route():
         batch.with_routes([routes[0], routes[1][:3], routes[2], routes[3]], lengths)
     no_route = batch.with_routes([routes[0], [], routes[2], routes[3]], [lengths[0], 0, lengths[2], lengths[3]])
     assert no_route.routed_experts[1].tolist() == [[list(range(k))] * layers] * 11
+
+
+def _rollout(prompt, response, routes, finish_reason="stop", reward=1.0):
+    from megatron_rl.buffer import Rollout
+    from megatron_rl.rewards.result import RewardResult
+    from megatron_rl.rollout.types import RequestMeta, RolloutOutput
+
+    output = RolloutOutput("r", prompt, response, [-1.0] * len(response), [0] * len(response), finish_reason,
+                           routed_experts=routes)
+    return Rollout(output, RequestMeta("p", 0, "1", False, 0.0), RewardResult(reward, "scored"))
+
+
+def test_routes_survive_the_checkpoint_and_reach_the_batch():
+    import json
+
+    from megatron_rl.buffer import Rollout
+
+    layers, k = SPEC.num_layers, SPEC.moe_router_topk
+    g = torch.Generator().manual_seed(0)
+    routes = torch.randint(0, SPEC.num_experts, (3 + 4 - 1, layers, k), generator=g).to(torch.int16)
+    done = _rollout([1, 2, 3], [4, 5, 6, 7], routes)
+    restored = Rollout.from_dict(json.loads(json.dumps(done.to_dict())))  # the RL checkpoint's JSON
+    assert restored.output.routed_experts.dtype == torch.int16 and torch.equal(restored.output.routed_experts, routes)
+    # An aborted request whose routes stop short keeps its reward in the group but trains nothing.
+    aborted = _rollout([1, 2], [3, 4, 5], routes[:2], finish_reason="abort", reward=0.0)
+    batch = TrainBatch.from_groups([[restored, aborted]], "group-baseline", routing_replay=True)
+    assert torch.equal(batch.routed_experts[0, :6], routes) and batch.loss_mask[0].any()
+    assert not batch.loss_mask[1].any() and batch.advantages[0] > 0
+    with pytest.raises(ValueError, match="rollout 1 has routes for 2 positions, its prompt and response have 5"):
+        TrainBatch.from_groups([[restored, _rollout([1, 2], [3, 4, 5], routes[:2])]], "group-baseline",
+                               routing_replay=True)

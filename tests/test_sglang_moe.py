@@ -125,7 +125,7 @@ def test_routed_experts_are_decoded_per_position_of_prompt_and_response():
     prompt, output = [1, 2, 3], [4, 5]
     routes = _routes(len(prompt) + len(output) - 1, 2, 2)
     out = parse_generate_response("r1", prompt, _response(prompt, output, _sglang_b64(routes)), routes=(2, 2))
-    assert out.routed_experts == routes.tolist() and len(out.routed_experts) == 4
+    assert out.routed_experts.tolist() == routes.tolist() and out.routed_experts.dtype == torch.int16
     assert parse_generate_response("r1", prompt, _response(prompt, output, _sglang_b64(routes))).routed_experts is None
 
 

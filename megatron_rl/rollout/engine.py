@@ -48,8 +48,8 @@ class _Request:
     routes: list[torch.Tensor] | None = None
 
     def output(self, reason: str) -> RolloutOutput:
-        routed = None if self.routes is None else \
-            (torch.cat(self.routes).tolist() if self.routes else [])
+        routed = None if self.routes is None else torch.cat(self.routes).to(torch.int16) if self.routes else \
+            torch.empty((0, 0, 0), dtype=torch.int16)
         return RolloutOutput(self.rid, list(self.prompt), list(self.generated), list(self.logprobs),
                              list(self.versions), reason, self.retractions, routed_experts=routed)
 

@@ -76,9 +76,10 @@ def expand_versions(spans: list, num_tokens: int, request_id: str) -> list[int]:
 ROUTES_FLAG = "--enable-return-routed-experts"
 
 
-def decode_routed_experts(request_id: str, encoded: str, num_positions: int, num_layers: int, topk: int) -> list:
+def decode_routed_experts(request_id: str, encoded: str, num_positions: int, num_layers: int,
+                          topk: int) -> torch.Tensor:
     """SGLang's `meta_info["routed_experts"]`: base64 of int32 [positions, layers, topk] (its tokenizer manager
-    encodes the captured tensor's bytes), as nested lists. `num_positions` = len(prompt) + len(output) - 1: SGLang
+    encodes the captured tensor's bytes), as the int16 tensor of `RolloutOutput.routed_experts`. `num_positions` = len(prompt) + len(output) - 1: SGLang
     records every token the model ran on, which is all but the last sampled one."""
     raw = base64.b64decode(encoded)
     want = num_positions * num_layers * topk
@@ -86,7 +87,7 @@ def decode_routed_experts(request_id: str, encoded: str, num_positions: int, num
         raise RolloutContractError(f"request {request_id}: routed_experts holds {len(raw) / 4:g} int32 values, "
                                    f"expected (len(prompt) + len(output) - 1) x num_layers x topk = {num_positions} x "
                                    f"{num_layers} x {topk} = {want}")
-    return torch.frombuffer(bytearray(raw), dtype=torch.int32).view(num_positions, num_layers, topk).tolist()
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).view(num_positions, num_layers, topk).to(torch.int16)
 
 
 def parse_generate_response(request_id: str, prompt: list[int], response: dict,

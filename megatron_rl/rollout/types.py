@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 # The behavior log-prob convention of every engine here (and SGLang's default): the log-prob of the sampled
 # token under log_softmax(logits / temperature) over the full vocabulary, i.e. AFTER temperature and BEFORE
 # top-k / top-p truncation. Greedy decoding (temperature 0) reports log_softmax(logits) (temperature 1).
@@ -73,6 +75,7 @@ class RolloutOutput:
     # token_ids, i.e. the route that computed position t's hidden state; t covers every position the engine
     # computed: prompt + generated - 1 positions for a finished request (the last generated token is sampled,
     # never fed back, as in SGLang's return_routed_experts), possibly fewer for an aborted one. Shape
-    # [positions, num_layers, moe_router_topk]. The routes of a resumed (retracted) request are those of its
-    # re-prefill, by the weights it resumed under.
-    routed_experts: list[list[list[int]]] | None = None
+    # [positions, num_layers, moe_router_topk], an int16 tensor (compact: a long response of a big MoE has
+    # millions of entries). The routes of a resumed (retracted) request are those of its re-prefill, by the weights
+    # it resumed under.
+    routed_experts: torch.Tensor | None = None

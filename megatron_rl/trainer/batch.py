@@ -67,8 +67,8 @@ class TrainBatch:
         blp[resp_rows, resp_cols] = torch.tensor([v for lp in behavior_logprobs for v in lp], dtype=torch.float32)
         return cls(tokens, mask, blp, torch.tensor(advantages, dtype=torch.float32))
 
-    def with_routes(self, routes: Sequence[Sequence[Sequence[Sequence[int]]]], lengths: Sequence[int]) -> TrainBatch:
-        """This batch with each row's recorded routes: `routes[i]` is [positions][layers][topk] expert ids for
+    def with_routes(self, routes: Sequence[torch.Tensor | Sequence], lengths: Sequence[int]) -> TrainBatch:
+        """This batch with each row's recorded routes: `routes[i]` is [positions, layers, topk] expert ids for
         row i's prompt and response tokens, `lengths[i]` their number; a generator may leave out the last sampled
         token, which it never ran through the model. Positions without a route (that last token, padding) get
         experts 0..topk-1: they are causally after every position a loss is computed at, so they change no
@@ -85,7 +85,7 @@ class TrainBatch:
             if n and len(r) not in (n - 1, n):
                 raise ValueError(f"--use-rollout-routing-replay: rollout {i} has routes for {len(r)} positions, "
                                  f"its prompt and response have {n}")
-            tensors.append(torch.tensor(r, dtype=torch.int16) if n else None)
+            tensors.append(torch.as_tensor(r, dtype=torch.int16) if n else None)
         shapes = {tuple(t.shape[1:]) for t in tensors if t is not None}
         if len(shapes) != 1:
             raise ValueError(f"--use-rollout-routing-replay: the batch's routes have (layers, topk) {sorted(shapes)}")
