@@ -79,8 +79,9 @@ ROUTES_FLAG = "--enable-return-routed-experts"
 def decode_routed_experts(request_id: str, encoded: str, num_positions: int, num_layers: int,
                           topk: int) -> torch.Tensor:
     """SGLang's `meta_info["routed_experts"]`: base64 of int32 [positions, layers, topk] (its tokenizer manager
-    encodes the captured tensor's bytes), as the int16 tensor of `RolloutOutput.routed_experts`. `num_positions` = len(prompt) + len(output) - 1: SGLang
-    records every token the model ran on, which is all but the last sampled one."""
+    encodes the captured tensor's bytes), as the int16 tensor of `RolloutOutput.routed_experts`. `num_positions` =
+    len(prompt) + len(output) - 1: SGLang records every token the model ran on, which is all but the last sampled
+    one."""
     raw = base64.b64decode(encoded)
     want = num_positions * num_layers * topk
     if len(raw) != 4 * want:
