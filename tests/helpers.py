@@ -22,3 +22,23 @@ def random_hf_weights(spec: ModelSpec, seed: int = 0, std: float = 0.05) -> dict
         t = torch.randn(shape, generator=g) * std
         out[name] = t + 1.0 if name.endswith("norm.weight") else t
     return out
+
+
+def mismatched_generator_tensors(engine, spec: ModelSpec, hf: dict[str, torch.Tensor], tp: int, tp_rank: int,
+                                 ep: int = 1) -> list[str]:
+    """The runtime tensors of a generator rank that differ from the reference `hf` weights in its layout, bit for
+    bit (an FP8 tensor is compared with the reference quantized the same way)."""
+    from megatron_rl.models.fp8 import quantize_block_fp8
+
+    mismatched = []
+    for name, shard in L.sglang_shards(spec, tp, tp_rank, ep).items():
+        expected, got = L.assemble(shard, L.slicer(hf)), engine.decoder.params[name]
+        if got.dtype == torch.float8_e4m3fn:
+            q, s = quantize_block_fp8(expected)
+            ok = torch.equal(got.view(torch.uint8), q.view(torch.uint8)) and \
+                torch.equal(engine.decoder.params[name + "_scale_inv"], s)
+        else:
+            ok = torch.equal(got, expected)
+        if not ok:
+            mismatched.append(name)
+    return mismatched

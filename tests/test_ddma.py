@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import random_hf_weights
+from helpers import mismatched_generator_tensors, random_hf_weights
 
 from megatron_rl.ddma.plan import make_plan, summarize
 from megatron_rl.launch import run_on_ranks
@@ -32,7 +32,6 @@ def _sync_all_cases(cases):
 
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
-    from megatron_rl.models.fp8 import quantize_block_fp8
     from megatron_rl.rollout.decoder import TPDecoder
     from megatron_rl.rollout.engine import LocalEngine
 
@@ -59,18 +58,7 @@ def _sync_all_cases(cases):
             engine = LocalEngine(TPDecoder(spec, gtp, j, None, fp8=fp8))
             publish(plan, rank, version=case + 1, engine=engine, transport=transport, bucket_bytes=4096,
                     debug_checksums=True)
-            mismatched = []
-            for name, shard in L.sglang_shards(spec, gtp, j).items():
-                expected = L.assemble(shard, L.slicer(hf))
-                got = engine.decoder.params[name]
-                if got.dtype == torch.float8_e4m3fn:
-                    q, s = quantize_block_fp8(expected)
-                    ok = torch.equal(got.view(torch.uint8), q.view(torch.uint8)) and \
-                        torch.equal(engine.decoder.params[name + "_scale_inv"], s)
-                else:
-                    ok = torch.equal(got, expected)
-                if not ok:
-                    mismatched.append(name)
+            mismatched = mismatched_generator_tensors(engine, spec, hf, gtp, j)
             result.update(mismatched=mismatched, version=engine.weight_version,
                           fp8_tensors=sum(t.dtype == torch.float8_e4m3fn for t in engine.decoder.params.values()))
         result.update(sent=transport.bytes_sent, received=transport.bytes_received,

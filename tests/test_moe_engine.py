@@ -9,7 +9,7 @@ launches: the engine at TP=2 (2 ranks) and every DDMA case (4 ranks)."""
 
 import pytest
 import torch
-from helpers import random_hf_weights
+from helpers import mismatched_generator_tensors, random_hf_weights
 
 from megatron_rl.ddma.plan import make_plan, summarize
 from megatron_rl.launch import run_on_ranks
@@ -259,7 +259,6 @@ def _ddma_cases(cases):
 
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
-    from megatron_rl.models.fp8 import quantize_block_fp8
     from megatron_rl.rollout.engine import LocalEngine
 
     rank = dist.get_rank()
@@ -280,18 +279,8 @@ def _ddma_cases(cases):
             engine = LocalEngine(TPDecoder(spec, gtp, j, None, fp8=generator.fp8, ep_size=gep))
             publish(plan, rank, version=i + 1, engine=engine, transport=transport, bucket_bytes=4096,
                     debug_checksums=True)
-            mismatched, fp8_tensors = [], 0
-            for name, shard in L.sglang_shards(spec, gtp, j, gep).items():
-                expected, got = L.assemble(shard, L.slicer(hf)), engine.decoder.params[name]
-                if got.dtype == torch.float8_e4m3fn:
-                    fp8_tensors += 1
-                    q, s = quantize_block_fp8(expected)
-                    ok = torch.equal(got.view(torch.uint8), q.view(torch.uint8)) and \
-                        torch.equal(engine.decoder.params[name + "_scale_inv"], s)
-                else:
-                    ok = torch.equal(got, expected)
-                if not ok:
-                    mismatched.append(name)
+            mismatched = mismatched_generator_tensors(engine, spec, hf, gtp, j, gep)
+            fp8_tensors = sum(t.dtype == torch.float8_e4m3fn for t in engine.decoder.params.values())
             result.update(mismatched=mismatched, version=engine.weight_version, fp8_tensors=fp8_tensors)
         result.update(sent=transport.bytes_sent, received=transport.bytes_received, planned_sent=plan.bytes_sent(rank),
                       planned_received=plan.bytes_received(rank))
