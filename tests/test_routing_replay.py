@@ -65,7 +65,7 @@ def _hf_logprobs(model, batch, routes):
     return lp.gather(-1, batch.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def _replay_rank(spec, hf_dir, routes_other):
+def _replay_rank(spec, hf_dir, routes_other, pp):
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from megatron_rl.algorithms import AlgorithmConfig
@@ -75,13 +75,19 @@ def _replay_rank(spec, hf_dir, routes_other):
     from megatron_rl.trainer.train_step import PolicyTrainer
     from megatron_rl.trainer.weights import load_hf_weights
 
-    layout = TrainerLayout(1, 1, 1, dtype_bytes=4)
+    layout = TrainerLayout(1, pp, 1, dtype_bytes=4)
     parallel.initialize(layout, spec)
     policy = build_policy(spec, layout, routing_replay=True,
                           init_weights=lambda m: load_hf_weights(m, spec, layout, HFCheckpoint(hf_dir).get_slice))
     trainer = PolicyTrainer(policy, AlgorithmConfig(loss="aipo", temperature=TEMPERATURE), micro_batch_size=2)
     batch = _batch(spec)
     own = trainer.compute_logprobs(batch)
+    replayed_other = trainer.compute_logprobs(dataclasses.replace(batch, routed_experts=routes_other))
+    after = trainer.compute_logprobs(batch)  # replay is off again once the pass is over
+    out = {"own": own, "replayed_other": replayed_other, "after": after}
+    if pp > 1:  # each stage replays its own layers' routes (their global layer numbers)
+        parallel.destroy()
+        return out
 
     # The model's own routes, recorded by Megatron: replaying them must change nothing, bit for bit.
     model = policy.module
@@ -94,15 +100,13 @@ def _replay_rank(spec, hf_dir, routes_other):
     n, length = batch.tokens.shape
     own_routes = torch.stack([r.view(length, n, -1).transpose(0, 1) for r in recorded], 2).to(torch.int16)
     replayed_own = trainer.compute_logprobs(dataclasses.replace(batch, routed_experts=own_routes))
-    replayed_other = trainer.compute_logprobs(dataclasses.replace(batch, routed_experts=routes_other))
-    after = trainer.compute_logprobs(batch)  # replay is off again once the pass is over
     parallel.destroy()
-    return {"own": own, "own_routes": own_routes, "replayed_own": replayed_own, "replayed_other": replayed_other,
-            "after": after}
+    return {**out, "own_routes": own_routes, "replayed_own": replayed_own}
 
 
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_replayed_routes_equal_transformers_forced_to_the_same_experts(norm_topk_prob):
+# The renormalized router at PP=1 (with the model's own routes recorded), the other at PP=2 (one layer per stage).
+@pytest.mark.parametrize("norm_topk_prob, pp", [(True, 1), (False, 2)])
+def test_replayed_routes_equal_transformers_forced_to_the_same_experts(norm_topk_prob, pp):
     from megatron_rl.models.hf import save_random_hf_model
 
     spec = SPEC.replace(moe_norm_topk_prob=norm_topk_prob)
@@ -110,15 +114,17 @@ def test_replayed_routes_equal_transformers_forced_to_the_same_experts(norm_topk
     other = _random_routes(spec, batch, seed=11)
     with tempfile.TemporaryDirectory() as hf_dir:
         hf = save_random_hf_model(spec, hf_dir, seed=5)
-        out, = run_on_ranks(_replay_rank, 1, spec, hf_dir, other)
+        out = run_on_ranks(_replay_rank, pp, spec, hf_dir, other, pp)[-1]
         expected_own = _hf_logprobs(hf, batch, None)
         expected_other = _hf_logprobs(hf, batch, other)
     mask = batch.loss_mask
     torch.testing.assert_close(out["own"][mask], expected_own[mask], atol=2e-5, rtol=0)
-    assert torch.equal(out["replayed_own"], out["own"])  # the model's own routes: the same computation
     torch.testing.assert_close(out["replayed_other"][mask], expected_other[mask], atol=2e-5, rtol=0)
     assert (out["replayed_other"] - out["own"])[mask].abs().max() > 1e-3  # the replay really changed the routes
     assert torch.equal(out["after"], out["own"])
+    if pp > 1:
+        return
+    assert torch.equal(out["replayed_own"], out["own"])  # the model's own routes: the same computation
     # Megatron's own routes are HF's own top-k: both models route each token to the same experts.
     with torch.no_grad():
         router_logits = hf(batch.tokens, output_router_logits=True).router_logits
