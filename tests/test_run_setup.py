@@ -106,3 +106,28 @@ def test_flags_that_cannot_work_together_are_refused_by_the_parser(flags, messag
 def test_what_would_fail_later_in_the_run_fails_in_the_setup(world, flags, pattern):
     with pytest.raises(ValueError, match=pattern):
         _setup(world, *flags)
+
+
+@pytest.mark.parametrize("model,flags,expected", [
+    ("tiny-llama", ["--num-experts", "4"], ("mixtral", 4, 2, 128)),  # Llama -> Mixtral-style, defaults for the rest
+    ("tiny-mistral", ["--num-experts", "8", "--moe-router-topk", "1", "--moe-ffn-hidden-size", "32"],
+     ("mixtral", 8, 1, 32)),
+    ("tiny-qwen3", ["--num-experts", "4", "--moe-ffn-hidden-size", "64"], ("qwen3_moe", 4, 2, 64)),
+])
+def test_num_experts_makes_the_mixture_of_a_dense_architecture(model, flags, expected):
+    from megatron_rl.run_setup import model_spec
+
+    spec = model_spec(parse_args(["--model", model, *flags]), build_char_tokenizer())
+    assert (spec.arch, spec.num_experts, spec.moe_router_topk, spec.moe_ffn_hidden_size) == expected
+    dense = model_spec(parse_args(["--model", model]), build_char_tokenizer())
+    assert (spec.sliding_window, spec.qk_layernorm, spec.head_dim) == \
+        (dense.sliding_window, dense.qk_layernorm, dense.head_dim)  # attention unchanged
+
+
+def test_architecture_flags_an_architecture_cannot_hold_are_refused():
+    from megatron_rl.run_setup import model_spec
+
+    with pytest.raises(ValueError, match=r"--model 'tiny-qwen2' with the architecture flags given: .*no head size"):
+        model_spec(parse_args(["--model", "tiny-qwen2", "--kv-channels", "32"]), build_char_tokenizer())
+    with pytest.raises(ValueError, match=r"--model 'tiny-qwen2' .* arch 'qwen2' takes no num_experts"):
+        model_spec(parse_args(["--model", "tiny-qwen2", "--num-experts", "4"]), build_char_tokenizer())
