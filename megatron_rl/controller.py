@@ -329,7 +329,7 @@ class Controller:
             progress.update(step, console_fields(metrics))
         progress.close()
         write_json(os.path.join(args.output_dir, "eval.json"), {
-            **evaluation.report(self.eval_history, args.eval_n_samples, args.eval_temperature),
+            **evaluation.report(self.eval_history, args.eval_n_samples, args.eval_temperature, self.eval_sets),
             "train_iters": args.train_iters, "async_mode": args.async_mode, "rl_seconds": time.time() - run_start,
             "prompts_dispatched": len(self.dispatched), "discards": dict(self.buffer.discards),
             "prompts_dispatched_more_than_once": sum(c > 1 for c in self.dispatched.values()),

@@ -17,13 +17,14 @@ import dataclasses
 class EvalSet:
     name: str
     problems: list[dict]  # {"id", "prompt", "answer", ...}; ids are "<name>/<record id>", unique across sets
+    source: dict | None = None  # where the problems come from (the task's space), reported in eval.json
 
 
 def eval_sets(args, source) -> list[EvalSet]:
     """The run's evaluation sets: the task's held-out split (no --prompt-data), then --eval-prompt-data's."""
     sets = []
     if source.dataset is None and args.eval_size:
-        sets.append(EvalSet("arithmetic", source.eval(args.eval_size)))
+        sets.append(EvalSet("arithmetic", source.eval(args.eval_size), source.task.describe("eval")))
     pairs = args.eval_prompt_data or []
     for name, path in zip(pairs[::2], pairs[1::2]):
         sets.append(EvalSet(name, read_records(path, args)))
@@ -65,13 +66,18 @@ def describe(name: str, summary: dict) -> str:
            f"{summary['samples'] // summary['problems']} samples{failed})"
 
 
-def report(history: list[dict], n_samples: int, temperature: float) -> dict:
+def report(history: list[dict], n_samples: int, temperature: float, eval_sets: list[EvalSet] = ()) -> dict:
     """eval.json's evaluations: per set, its figures before RL (the first evaluation), after RL (the last) and at
-    every evaluation; the first set's accuracies also as `accuracy_before_rl` / `accuracy_after_rl`."""
+    every evaluation, how many of its problems are distinct and where they were drawn from; the first set's
+    accuracies also as `accuracy_before_rl` / `accuracy_after_rl`."""
     names = [k for k in history[0] if k != "step"] if history else []
     sets = {name: {"n_samples": n_samples, "temperature": temperature, "before_rl": history[0][name],
                    "after_rl": history[-1][name], "history": [{"step": h["step"], **h[name]} for h in history]}
             for name in names}
+    for s in eval_sets:
+        if s.name in sets:
+            sets[s.name].update(distinct_problems=len({str(p["prompt"]) for p in s.problems}),
+                                **({"drawn_from": s.source} if s.source else {}))
     out: dict = {"eval_sets": sets}
     if names:
         first = sets[names[0]]

@@ -34,6 +34,26 @@ def test_arithmetic_is_deterministic_correct_and_splits_are_disjoint():
         ArithmeticTask(operators="%")
 
 
+def test_held_out_problems_are_distinct_unseen_and_the_space_is_counted():
+    task = ArithmeticTask(seed=5, min_digits=1, max_digits=2)
+    held_out = task.distinct_problems(300)
+    prompts = [p["prompt"] for p in held_out]
+    assert len(set(prompts)) == 300
+    assert held_out == ArithmeticTask(seed=5, min_digits=1, max_digits=2).distinct_problems(300)
+    assert not set(prompts) & {p["prompt"] for p in task.problems(0, 20_000)}  # never a training draw
+    assert all(int(p["answer"]) == _left_to_right(p["prompt"]) for p in held_out)
+    # 1-digit operands: 10 x 10 x 2 = 200 expressions, enumerated; the whole eval split can be asked for, not more.
+    small = ArithmeticTask(seed=5, min_digits=1, max_digits=1)
+    size = sum(small._split_of(f"{a}{o}{b}") == "eval" for a in range(10) for b in range(10) for o in "+-")
+    assert small.space_size() == 200 and small.split_size() == size
+    assert len({p["prompt"] for p in small.distinct_problems(size)}) == size
+    with pytest.raises(ValueError, match=f"--eval-size {size + 1}: .* only {size} distinct"):
+        small.distinct_problems(size + 1)
+    assert ArithmeticTask(min_digits=1, max_digits=3, num_operands=3).space_size() == 1000 ** 3 * 4
+    assert ArithmeticTask(min_digits=2, max_digits=2).space_size() == 90 * 90 * 2
+    assert ArithmeticTask(min_digits=1, max_digits=3).split_size() is None  # too many to list: drawn, not counted
+
+
 def test_char_tokenizer_round_trips_and_loads_with_transformers(tmp_path):
     from transformers import AutoTokenizer
 

@@ -33,3 +33,18 @@ def test_report_has_before_after_and_history_per_set():
     assert out["eval_sets"]["b"]["history"] == [{"step": 0, "accuracy": 0.5, "problems": 2},
                                                  {"step": 5, "accuracy": 0.6, "problems": 2}]
     assert report([], 1, 0.0) == {"eval_sets": {}}
+
+
+def test_report_counts_distinct_problems_and_names_their_space():
+    from types import SimpleNamespace
+
+    from megatron_rl.data.source import PromptSource
+    from megatron_rl.evaluation import eval_sets
+
+    args = SimpleNamespace(prompt_data=None, sft_data=None, seed=0, task_min_digits=1, task_max_digits=2,
+                           task_operands=2, eval_size=50, eval_prompt_data=None)
+    (arith,) = eval_sets(args, PromptSource(args))
+    out = report([{"step": 0, "arithmetic": {"accuracy": 0.0, "problems": 50}}], 1, 0.0, [arith])
+    entry = out["eval_sets"]["arithmetic"]
+    assert entry["distinct_problems"] == 50
+    assert entry["drawn_from"]["expressions"] == 100 * 100 * 2 and 1500 < entry["drawn_from"]["eval_split"] < 2500

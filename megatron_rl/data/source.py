@@ -63,7 +63,8 @@ class PromptSource:
         return out
 
     def eval(self, n: int) -> list[dict]:
-        return [] if self.dataset is not None else self.task.problems(0, n, "eval")
+        """`n` distinct held-out problems of the task (none with --prompt-data)."""
+        return [] if self.dataset is not None else self.task.distinct_problems(n, "eval")
 
     def sft(self, n: int) -> list[dict]:
         """`n` supervised examples: {"prompt", "answer"} where the answer is the text to imitate (--sft-data: a
