@@ -243,6 +243,8 @@ def test_controlled_lag_trains_every_batch_exactly_k_versions_behind_after_a_ram
 
 
 def test_a_resume_keeps_the_held_batches_and_the_lag(tmp_path):
+    from megatron_rl.checkpointing import check_checkpoint
+
     ckpt = tmp_path / "ckpt"
     flags = ("--controlled-lag", "3", "--save", str(ckpt), "--save-interval", "3")
     first, generator, first_trainer = _controller(tmp_path, *flags, "--train-iters", "3", version_logprobs=True)
@@ -262,6 +264,12 @@ def test_a_resume_keeps_the_held_batches_and_the_lag(tmp_path):
     assert second.dispatched.most_common(1)[0][1] == 1
     report = json.loads((tmp_path / "eval.json").read_text())
     assert (report["controlled_lag"], report["prompts_held_at_end"]) == (3, 6)
+    # a resume with another lag is refused before any work
+    (ckpt / "iter_0000006" / "metadata.json").write_text("{}")
+    assert check_checkpoint(str(ckpt), second.spec, second.layout.transformer_impl, controlled_lag=3) == 6
+    for lag, saying in ((1, "this run has --controlled-lag 1"), (None, "this run has no --controlled-lag")):
+        with pytest.raises(ValueError, match=f"saved with --controlled-lag 3, {saying}; resume with the saved"):
+            check_checkpoint(str(ckpt), second.spec, second.layout.transformer_impl, controlled_lag=lag)
 
 
 def test_a_skipped_update_shortens_the_lag_of_the_next_k_batches(tmp_path):
