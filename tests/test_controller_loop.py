@@ -104,10 +104,11 @@ class RecordingTrainer:
         return [p for n, p in self.commands if n == "train"]
 
 
-def _controller(tmp_path, *flags, stale_prompts=0, reward="reward_exact", version_logprobs=False):
+def _controller(tmp_path, *flags, stale_prompts=0, reward="reward_exact", log_rollouts=True, version_logprobs=False):
     args = parse_args(["--global-batch-size", "8", "--n-samples-per-prompt", "4", "--custom-rm-path",
                        f"{REWARDS}:{reward}", "--reward-num-workers", "1", "--reward-timeout", "60",  # a busy machine
-                       "--output-dir", str(tmp_path), "--eval-size", "4", "--log-rollouts", *flags])
+                       "--output-dir", str(tmp_path), "--eval-size", "4", *(["--log-rollouts"] * log_rollouts),
+                       *flags])
     setup = RunSetup(args, TOKENIZER, model_spec(args, TOKENIZER), TrainerLayout(), GeneratorLayout(first_rank=1))
     control, rollouts = LocalChannel(), LocalChannel()
     generator = ScriptedGenerator(control, rollouts, stale_prompts, version_logprobs)
@@ -162,6 +163,19 @@ def test_stale_groups_are_discarded_with_their_reason_and_replaced(tmp_path):
     assert {r["prompt_id"] for r in rows if r["outcome"].startswith("stale")} == set(generator.prompts[:2])
     assert {r["prompt_id"] for r in rows if r["outcome"] == "trained"} == set(generator.prompts[2:4])
     assert len(trainer.trained()[0]) == 8  # the batch was filled by the groups that replaced them
+
+
+def test_discards_are_counted_by_reason_in_the_metrics_without_the_rollout_log(tmp_path):
+    controller, generator, _ = _controller(tmp_path, "--async-mode", "on", "--max-staleness", "1",
+                                           "--max-oversample", "2", stale_prompts=2, reward="reward_one",
+                                           log_rollouts=False)
+    for _ in range(3):
+        controller.publish()
+    metrics = controller.rl_step(1, 0.0)
+    _finish(controller, generator)
+    # 2 groups of stale samples, then 2 uniform groups dropped before the oversampling limit; counted per sample
+    assert metrics["rollout"]["discards"] == {"stale": 8, "group rewards all equal": 8}
+    assert not (tmp_path / "rollouts.jsonl").exists()
 
 
 def test_groups_without_signal_are_replaced_up_to_the_oversampling_limit(tmp_path):
