@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "off-policy corrections at a known lag: each step's prompts are generated synchronously "
                         "under the latest weights and held in a FIFO of K + 1 batches, the oldest trained. The "
                         "first step generates K + 1 batches under the first weights, so steps 1..K train at lags "
-                        "0..K-1 (a ramp; metrics rollout/lag_max say each step's lag), every later one at K. "
+                        "0..K-1 (a ramp; each step's rollout/lag_max says its lag), every later one at K. "
                         "Implies --async-mode off; --max-staleness, if given, must be >= K")
     g.add_argument("--max-oversample", type=int, default=4,
                    help="sample up to this many x the step's prompts to replace groups without signal")
