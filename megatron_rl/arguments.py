@@ -216,12 +216,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "advantages (verl's form; the KL of the policy that sampled it) instead of adding the KL "
                         "to the loss")
     g.add_argument("--entropy-coef", type=float, default=0.0)
-    g.add_argument("--async-mode", choices=["on", "off", "alternate"], default="on",
-                   help="on: generation overlaps training (off-policy, AIPO-corrected); off: the synchronous "
-                        "on-policy baseline; alternate: blocks of --async-alternate-steps asynchronous and "
-                        "synchronous steps in turn, to measure the speed-up within one run")
+    g.add_argument("--async-mode", choices=["on", "off", "alternate"],
+                   help="on (the default): generation overlaps training (off-policy, AIPO-corrected); off: the "
+                        "synchronous on-policy baseline; alternate: blocks of --async-alternate-steps asynchronous "
+                        "and synchronous steps in turn, to measure the speed-up within one run. --controlled-lag "
+                        "implies off")
     g.add_argument("--async-alternate-steps", type=int, default=6, help="steps per block of --async-mode alternate")
-    g.add_argument("--max-staleness", type=int, default=1, help="max versions between trainer and oldest token")
+    g.add_argument("--max-staleness", type=int,
+                   help="max versions between trainer and oldest token (default 1; 0 with --async-mode off, K with "
+                        "--controlled-lag K)")
+    g.add_argument("--controlled-lag", type=int, metavar="K",
+                   help="train every batch exactly K weight versions after the one that generated it, to compare "
+                        "off-policy corrections at a known lag: each step's prompts are generated synchronously "
+                        "under the latest weights and held in a FIFO of K + 1 batches, the oldest trained. The "
+                        "first step generates K + 1 batches under the first weights, so steps 1..K train at lags "
+                        "0..K-1 (a ramp; each step's rollout/lag_max says its lag), every later one at K. "
+                        "Implies --async-mode off; --max-staleness, if given, must be >= K")
     g.add_argument("--max-oversample", type=int, default=4,
                    help="sample up to this many x the step's prompts to replace groups without signal")
     g.add_argument("--max-consecutive-skipped-steps", type=int, default=3,
@@ -391,11 +401,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                      f"{args.n_samples_per_prompt}")
     if args.n_samples_per_prompt < 2:
         parser.error(f"--n-samples-per-prompt must be >= 2 for a group baseline, got {args.n_samples_per_prompt}")
-    if args.async_mode == "off" and args.max_staleness != 0:
-        args.max_staleness = 0  # the synchronous baseline is on-policy by construction
-    if args.async_mode != "off" and args.max_staleness < 1:
-        parser.error(f"--async-mode {args.async_mode} trains on rollouts one version old: --max-staleness must be "
-                     f">= 1, got {args.max_staleness} (or use --async-mode off)")
+    validate_lag(args, parser)
     if args.sft_warmup_iters and args.prompt_data and not args.sft_data:
         parser.error("--sft-warmup-iters with --prompt-data needs --sft-data (conversations to imitate), or drop "
                      "--sft-warmup-iters")
@@ -455,6 +461,34 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     validate_reward_shaping(args, parser)
     if args.rollout_temperature <= 0:
         parser.error(f"--rollout-temperature must be > 0 for RL sampling, got {args.rollout_temperature}")
+
+
+def validate_lag(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--async-mode, --max-staleness and --controlled-lag together: fills in their defaults (asynchronous with
+    staleness 1; synchronous with staleness 0; --controlled-lag K: synchronous dispatch, staleness K) and refuses
+    combinations that contradict each other."""
+    lag = args.controlled_lag
+    if lag is not None:
+        if lag < 0:
+            parser.error(f"--controlled-lag must be >= 0, got {lag}")
+        if args.async_mode not in (None, "off"):
+            parser.error(f"--controlled-lag {lag} generates each step's prompts after the latest weights are "
+                         f"published (synchronous dispatch): it cannot run with --async-mode {args.async_mode} "
+                         "(leave --async-mode out)")
+        if args.max_staleness is not None and args.max_staleness < lag:
+            parser.error(f"--controlled-lag {lag} trains rollouts {lag} versions old: --max-staleness (given, or "
+                         f"from --config) must be >= {lag}, got {args.max_staleness}")
+        args.async_mode = "off"
+        args.max_staleness = lag if args.max_staleness is None else args.max_staleness
+        return
+    args.async_mode = args.async_mode or "on"
+    if args.async_mode == "off":
+        args.max_staleness = 0  # the synchronous baseline is on-policy by construction
+    elif args.max_staleness is None:
+        args.max_staleness = 1
+    elif args.max_staleness < 1:
+        parser.error(f"--async-mode {args.async_mode} trains on rollouts one version old: --max-staleness must be "
+                     f">= 1, got {args.max_staleness} (or use --async-mode off)")
 
 
 def validate_reward_shaping(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -129,13 +129,13 @@ def read_rl_state(directory: str, step: int) -> dict:
 
 
 def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, needs_reference: bool = False,
-                     expert_model_parallel_size: int = 1) -> int:
+                     expert_model_parallel_size: int = 1, controlled_lag: int | None = None) -> int:
     """Everything that can be checked before any work: the tracker, the step's directory, the trainer's dist
     checkpoint metadata, the controller state, that the saved model and layer spec (whose parameter names
     the trainer's checkpoint uses) are this run's, that its expert parallelism is this run's (Megatron-Core gives
-    expert parameters an optimizer of their own when EP > 1, and its state does not load into another EP), and
-    (`needs_reference`: a KL penalty to the default reference) that the checkpoint saved the reference model.
-    Returns the step."""
+    expert parameters an optimizer of their own when EP > 1, and its state does not load into another EP), that
+    its --controlled-lag is this run's (its held batches were collected for that lag), and (`needs_reference`: a
+    KL penalty to the default reference) that the checkpoint saved the reference model. Returns the step."""
     step = latest_checkpoint_step(directory)
     path = iteration_dir(directory, step)
     if not os.path.isdir(path):
@@ -147,6 +147,7 @@ def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, nee
     if state.get("transformer_impl") != transformer_impl:
         raise ValueError(f"--load {directory!r}: the checkpoint was saved with --transformer-impl "
                          f"{state.get('transformer_impl')}, this run uses {transformer_impl}")
+    check_controlled_lag(directory, state, controlled_lag)
     saved = state["model"]
     for field, value in spec.weight_fields().items():
         if saved.get(field) != value:
@@ -164,6 +165,17 @@ def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, nee
 
         check_has_reference(path)
     return step
+
+
+def check_controlled_lag(directory: str, state: dict, controlled_lag: int | None) -> None:
+    """A resume keeps the run's --controlled-lag: the checkpoint holds the batches collected for its lag (none
+    without the flag), and another lag would train them at the wrong one."""
+    saved = state.get("controlled_lag")
+    if saved != controlled_lag:
+        then, now = ("no --controlled-lag" if lag is None else f"--controlled-lag {lag}"
+                     for lag in (saved, controlled_lag))
+        raise ValueError(f"--load {directory!r}: the checkpoint was saved with {then}, this run has {now}; resume "
+                         "with the saved one (or start a new run from its weights with --load-megatron)")
 
 
 def check_initial_weights(directory: str, spec: ModelSpec, transformer_impl: str,

@@ -7,16 +7,26 @@ Asynchronous steps (--async-mode on, or alternate) dispatch the next step's prom
 generation overlaps training (generators pause in-flight requests for each update and resume them: partial
 rollouts); synchronous steps dispatch them only after the new weights are published (on-policy).
 
+--controlled-lag K (synchronous dispatch) trains every batch exactly K weight versions after the version that
+generated it, so off-policy corrections can be compared at a known lag: each step collects its groups, all
+generated under the latest version, into a FIFO of held batches (`HeldBatch`) and trains on the oldest one once
+the FIFO holds K + 1. The first step collects those K + 1 batches under the first version, since no older one
+exists: steps 1..K train at lags 0..K-1 (the ramp, each step's metrics say its lag), every later step at K. A
+skipped update (NaN/Inf gradient: no new version) shortens the lag of the next K batches to K - 1. The buffer's
+gates run as the groups are collected (lag 0); the parser keeps --max-staleness >= K, which the lag at training
+meets too. Held batches are part of the RL checkpoint: a resume keeps the lag.
+
 The controller reaches the trainer through `trainer.command(name, payload)` and the generators through two
 channels; `train.run` builds it beside the executors, so it owns none of them (tests drive it with fakes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 
 from megatron_rl import checkpointing, evaluation
 from megatron_rl.buffer import Rollout, RolloutBuffer
@@ -41,6 +51,41 @@ from megatron_rl.run_setup import RunSetup, stable_seed
 from megatron_rl.trainer.batch import TrainBatch
 
 
+@dataclasses.dataclass
+class HeldBatch:
+    """One step's groups, collected at trainer `version` and held until trained (--controlled-lag); `seen`: what
+    `Controller.collect` popped for them (discards, lags at `version`, rewards, ages, outcomes)."""
+
+    version: int
+    groups: list[list[Rollout]]
+    seen: dict
+
+    def released_at(self, version: int) -> tuple[list, dict]:
+        """The groups and their figures as trained at `version`: lags measured from it, ages up to now."""
+        shift, now = version - self.version, time.time()
+        lags = Counter({lag + shift: n for lag, n in self.seen["lags"].items()})
+        ages = [now - r.meta.dispatched_at for g in self.groups for r in g]
+        return self.groups, {**self.seen, "lags": lags, "ages": ages}
+
+    def to_dict(self) -> dict:
+        """JSON-ready (the RL checkpoint). The groups are the trained outcomes, by prompt: not stored twice."""
+        seen = self.seen
+        return {"version": self.version, "discards": dict(seen["discards"]),
+                "lags": {str(k): v for k, v in seen["lags"].items()}, "sampled_rewards": seen["sampled_rewards"],
+                "ages": seen["ages"], "outcomes": [[r.to_dict(), reason] for r, reason in seen["outcomes"]]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HeldBatch:
+        outcomes = [(Rollout.from_dict(r), reason) for r, reason in d["outcomes"]]
+        groups = defaultdict(list)
+        for r, reason in outcomes:
+            if reason is None:
+                groups[r.prompt_id].append(r)
+        seen = {"discards": Counter(d["discards"]), "lags": Counter({int(k): v for k, v in d["lags"].items()}),
+                "sampled_rewards": d["sampled_rewards"], "ages": d["ages"], "outcomes": outcomes}
+        return cls(d["version"], list(groups.values()), seen)
+
+
 class Controller:
     def __init__(self, setup: RunSetup, trainer, control, rollouts, leaders: list[int]):
         """`trainer.command(name, payload)` runs a command on every trainer rank; `control.send(message, rank)`
@@ -61,6 +106,7 @@ class Controller:
                           "top_p": args.rollout_top_p, "max_new_tokens": args.rollout_max_response_len,
                           "stop_token_ids": self.stop_token_ids}
         self.inflight: dict[str, dict] = {}  # RL prompts dispatched whose group has not left the buffer, by id
+        self.held: deque[HeldBatch] = deque()  # --controlled-lag: collected batches waiting to be trained
         self.dispatched: Counter = Counter()  # prompt id -> times dispatched (each prompt exactly once)
         self.eval_sets = evaluation.eval_sets(args, self.source)
         self.eval_results: dict[tuple[str, int], object] = {}  # (prompt id, sample index) -> RewardResult
@@ -160,7 +206,8 @@ class Controller:
         return {"weight_version": self.version, "consumed_samples": self.consumed, "source": self.source.state_dict(),
                 "buffer": self.buffer.state_dict(), "inflight": self.inflight, "dispatched": dict(self.dispatched),
                 "skipped_steps": self.skipped_steps, "reward_failures": dict(self.reward_failures.counts),
-                "eval_history": self.eval_history}
+                "eval_history": self.eval_history, "controlled_lag": self.args.controlled_lag,
+                "held_batches": [b.to_dict() for b in self.held]}
 
     def load_state_dict(self, state: dict) -> None:
         self.version, self.consumed = state["weight_version"], state["consumed_samples"]
@@ -169,6 +216,7 @@ class Controller:
         self.inflight, self.dispatched = state["inflight"], Counter(state["dispatched"])
         self.skipped_steps, self.reward_failures.counts = state["skipped_steps"], Counter(state["reward_failures"])
         self.eval_history = state.get("eval_history", [])  # absent in checkpoints of runs without evaluations
+        self.held = deque(HeldBatch.from_dict(b) for b in state.get("held_batches", []))
 
     def resend_lost_samples(self, step: int) -> None:
         """After a resume: samples of the prompts in flight at the checkpoint that were not in its buffer died
@@ -232,7 +280,7 @@ class Controller:
         """The step's groups from the buffer, waiting for rollouts as needed. Dynamic sampling: groups without
         signal are replaced, up to --max-oversample x the step's prompts; past that uniform groups fill the batch."""
         P, ahead = self.prompts_per_step, self.is_async_step(step)
-        groups, seen = [], {"discards": Counter(), "lags": Counter(), "sampled_rewards": [], "ages": []}
+        groups, seen = [], {"discards": Counter(), "lags": Counter(), "sampled_rewards": [], "ages": [], "outcomes": []}
         popped = 0
         while len(groups) < P:
             exhausted = popped >= self.args.max_oversample * P
@@ -250,9 +298,17 @@ class Controller:
             seen["lags"].update(batch.lag_histogram)
             seen["sampled_rewards"] += batch.sampled_rewards
             seen["ages"] += [batch.age_seconds_mean] * len(batch.groups)
-            if self.rollout_log is not None:
-                self.rollout_log.outcomes(step, self.version, batch.outcomes)
+            seen["outcomes"] += batch.outcomes
         return groups, seen
+
+    def collect_held(self, step: int, times: StepTimes) -> tuple[list, dict]:
+        """--controlled-lag K: this step's groups join the FIFO of held batches (the first step's K + 1 batches,
+        all under the first version), and the oldest held batch is released, K versions old after the ramp."""
+        needed = self.args.controlled_lag + 1 - len(self.held)
+        self.top_up(needed * self.prompts_per_step)
+        for _ in range(needed):
+            self.held.append(HeldBatch(self.version, *self.collect(step, times)))
+        return self.held.popleft().released_at(self.version)
 
     def make_batch(self, groups: list) -> TrainBatch:
         """The step's batch; with --use-kl-in-reward the trainer computes the reference log-probs first and the
@@ -267,7 +323,10 @@ class Controller:
 
     def rl_step(self, step: int, run_start: float) -> dict:
         ahead, times, start = self.is_async_step(step), StepTimes(), time.perf_counter()
-        groups, seen = self.collect(step, times)
+        collect = self.collect if self.args.controlled_lag is None else self.collect_held
+        groups, seen = collect(step, times)
+        if self.rollout_log is not None:
+            self.rollout_log.outcomes(step, self.version, seen["outcomes"])
         if ahead:
             self.top_up(self.prompts_per_step)  # the next step's prompts generate while this step trains
         t = time.perf_counter()
@@ -314,6 +373,8 @@ class Controller:
             self.logger.log(start_step, {"eval": self.evaluate(start_step)})
         run_start = time.time()
         mode = {"on": "async", "off": "sync", "alternate": "async/sync"}[args.async_mode]
+        if args.controlled_lag is not None:
+            mode = f"lag {args.controlled_lag}"
         progress = Progress(start_step, args.train_iters, f"{args.loss.upper()} ({mode})", args.log_interval)
         for step in range(start_step + 1, args.train_iters + 1):
             metrics = self.rl_step(step, run_start)
@@ -333,7 +394,8 @@ class Controller:
             "train_iters": args.train_iters, "async_mode": args.async_mode, "rl_seconds": time.time() - run_start,
             "prompts_dispatched": len(self.dispatched), "discards": dict(self.buffer.discards),
             "prompts_dispatched_more_than_once": sum(c > 1 for c in self.dispatched.values()),
-            "prompts_in_flight_at_end": len(self.inflight)})
+            "prompts_in_flight_at_end": len(self.inflight), "controlled_lag": args.controlled_lag,
+            "prompts_held_at_end": len({r.prompt_id for b in self.held for r, _ in b.seen["outcomes"]})})
 
     def shutdown(self) -> None:
         """Stop the generators, drop what they still send until each says it stopped, close the logs."""

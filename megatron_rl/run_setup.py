@@ -245,7 +245,8 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
         checkpointing.check_checkpoint(args.load, spec, trainer.transformer_impl,
                                        needs_reference=bool(args.kl_coef) and not args.ref_load,
-                                       expert_model_parallel_size=trainer.expert_model_parallel_size)
+                                       expert_model_parallel_size=trainer.expert_model_parallel_size,
+                                       controlled_lag=getattr(args, "controlled_lag", None))
     if args.kl_coef and args.ref_load:  # the reference's files and architecture, before any weight is built
         from megatron_rl.trainer.reference import check_reference_checkpoint
 

@@ -45,6 +45,39 @@ def test_bad_flags_fail_with_clear_messages(args, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--controlled-lag", "-1"], "--controlled-lag must be >= 0, got -1"),
+    (["--controlled-lag", "2", "--async-mode", "on"], "--controlled-lag 2 generates each step's prompts after the "
+                                                       "latest weights are published (synchronous dispatch): it "
+                                                       "cannot run with --async-mode on"),
+    (["--controlled-lag", "2", "--async-mode", "alternate"], "cannot run with --async-mode alternate"),
+    (["--controlled-lag", "3", "--max-staleness", "2"], "--controlled-lag 3 trains rollouts 3 versions old: "
+                                                        "--max-staleness (given, or from --config) must be >= 3, "
+                                                        "got 2"),
+    (["--config", "llama3-8b", "--controlled-lag", "3"], "--max-staleness (given, or from --config) must be >= 3, "
+                                                         "got 1"),
+])
+def test_controlled_lag_contradictions_name_both_flags(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _lag_flags(*flags):
+    args = parse_args(list(flags))
+    return args.async_mode, args.max_staleness, args.controlled_lag
+
+
+def test_controlled_lag_implies_synchronous_dispatch_and_a_staleness_that_admits_it():
+    assert _lag_flags("--controlled-lag", "3") == ("off", 3, 3)
+    assert _lag_flags("--controlled-lag", "0") == ("off", 0, 0)
+    assert _lag_flags("--controlled-lag", "2", "--async-mode", "off", "--max-staleness", "5") == ("off", 5, 2)
+    # without it, as before: asynchronous with staleness 1; the synchronous baseline on-policy
+    assert _lag_flags() == ("on", 1, None)
+    assert _lag_flags("--async-mode", "off", "--max-staleness", "3") == ("off", 0, None)
+    assert _lag_flags("--async-mode", "alternate", "--max-staleness", "2") == ("alternate", 2, None)
+
+
 def test_inconsistent_layout_fails_at_start():
     r = _cli("--config", "llama3-8b", "--dry-run", "--world-size", "12", "--rollout-num-replicas", "5")
     assert r.returncode == 2

@@ -47,11 +47,15 @@ class LocalChannel:
 class ScriptedGenerator(threading.Thread):
     """Answers each "requests" message at once, one message per group (as the real worker does): odd samples get
     the right answer and even ones a wrong one; every token carries the current weight version, except that the
-    first `stale_prompts` RL prompts get tokens 2 versions old. Records every request id it served."""
+    first `stale_prompts` RL prompts get tokens 2 versions old. Records every request id it served.
+    `version_logprobs`: each token's behavior log-prob is -1 - its version (else -1), so that a trained batch
+    shows which version generated each of its rows."""
 
-    def __init__(self, control: LocalChannel, rollouts: LocalChannel, stale_prompts: int = 0):
+    def __init__(self, control: LocalChannel, rollouts: LocalChannel, stale_prompts: int = 0,
+                 version_logprobs: bool = False):
         super().__init__(daemon=True)
         self.control, self.rollouts, self.stale_prompts = control, rollouts, stale_prompts
+        self.version_logprobs = version_logprobs
         self.version, self.served, self.syncs, self.prompts = -1, [], [], []
 
     def run(self):
@@ -73,35 +77,41 @@ class ScriptedGenerator(threading.Thread):
                     tokens = TOKENIZER.encode(text, add_special_tokens=False)
                     stale = meta.prompt_id in self.prompts[:self.stale_prompts]
                     version = max(self.version - 2, 0) if stale else self.version
-                    out = RolloutOutput(rid, prompt, tokens, [-1.0] * len(tokens), [version] * len(tokens), "stop")
+                    logprob = -1.0 - version if self.version_logprobs else -1.0
+                    out = RolloutOutput(rid, prompt, tokens, [logprob] * len(tokens), [version] * len(tokens), "stop")
                     groups.setdefault(meta.group, []).append((out, meta))
                 for group in groups.values():
                     self.rollouts.queue.put((("rollouts", (group, {"tokens": 1})), LEADER))
 
 
 class RecordingTrainer:
-    """Takes the trainer executor's commands and records them; every update succeeds."""
+    """Takes the trainer executor's commands and records them; every update succeeds but those of the "train"
+    commands numbered in `skipped` (from 1: a NaN/Inf gradient). A save writes only the checkpoint's directory."""
 
-    def __init__(self):
-        self.commands = []
+    def __init__(self, skipped=()):
+        self.commands, self.skipped = [], set(skipped)
 
     def command(self, name, payload=None):
         self.commands.append((name, payload))
         if name in ("train", "sft"):
-            return {"update_successful": True, "tokens_per_s": 1.0, "loss": 0.0}
+            successful = name == "sft" or len(self.trained()) not in self.skipped
+            return {"update_successful": successful, "tokens_per_s": 1.0, "loss": 0.0}
+        if name == "save":
+            os.makedirs(payload)
         return None
 
     def trained(self):
         return [p for n, p in self.commands if n == "train"]
 
 
-def _controller(tmp_path, *flags, stale_prompts=0, reward="reward_exact"):
+def _controller(tmp_path, *flags, stale_prompts=0, reward="reward_exact", log_rollouts=True, version_logprobs=False):
     args = parse_args(["--global-batch-size", "8", "--n-samples-per-prompt", "4", "--custom-rm-path",
                        f"{REWARDS}:{reward}", "--reward-num-workers", "1", "--reward-timeout", "60",  # a busy machine
-                       "--output-dir", str(tmp_path), "--eval-size", "4", "--log-rollouts", *flags])
+                       "--output-dir", str(tmp_path), "--eval-size", "4", *(["--log-rollouts"] * log_rollouts),
+                       *flags])
     setup = RunSetup(args, TOKENIZER, model_spec(args, TOKENIZER), TrainerLayout(), GeneratorLayout(first_rank=1))
     control, rollouts = LocalChannel(), LocalChannel()
-    generator = ScriptedGenerator(control, rollouts, stale_prompts)
+    generator = ScriptedGenerator(control, rollouts, stale_prompts, version_logprobs)
     generator.start()
     trainer = RecordingTrainer()
     # The controller sends to the generator through `control`; the generator answers through `rollouts`.
@@ -155,6 +165,19 @@ def test_stale_groups_are_discarded_with_their_reason_and_replaced(tmp_path):
     assert len(trainer.trained()[0]) == 8  # the batch was filled by the groups that replaced them
 
 
+def test_discards_are_counted_by_reason_in_the_metrics_without_the_rollout_log(tmp_path):
+    controller, generator, _ = _controller(tmp_path, "--async-mode", "on", "--max-staleness", "1",
+                                           "--max-oversample", "2", stale_prompts=2, reward="reward_one",
+                                           log_rollouts=False)
+    for _ in range(3):
+        controller.publish()
+    metrics = controller.rl_step(1, 0.0)
+    _finish(controller, generator)
+    # 2 groups of stale samples, then 2 uniform groups dropped before the oversampling limit; counted per sample
+    assert metrics["rollout"]["discards"] == {"stale": 8, "group rewards all equal": 8}
+    assert not (tmp_path / "rollouts.jsonl").exists()
+
+
 def test_groups_without_signal_are_replaced_up_to_the_oversampling_limit(tmp_path):
     controller, generator, trainer = _controller(tmp_path, "--async-mode", "off", "--max-oversample", "2",
                                                  reward="reward_one")
@@ -185,6 +208,93 @@ def test_a_resume_sends_exactly_the_lost_samples_again_with_their_request_ids(tm
     expected = {f"{p}#{k}" for p in pending for k in range(4)} - {f"{pending[0]}#0"}
     assert sorted(generator.served) == sorted(expected)
     assert second.dispatched == Counter(state["dispatched"])  # a resend is not a new dispatch
+
+
+# ---- --controlled-lag --------------------------------------------------------------------------------------------
+
+def _trained_lags(trainer) -> list[dict[int, int]]:
+    """Per "train" command, how many rows have each lag: the trainer's version then (the last one published) minus
+    the version that generated the row (`ScriptedGenerator` with `version_logprobs`)."""
+    version, lags = None, []
+    for name, payload in trainer.commands:
+        if name == "publish":
+            version = payload
+        elif name == "train":
+            rows = [(-1.0 - lp[mask]).unique().tolist() for lp, mask in zip(payload.behavior_logprobs,
+                                                                           payload.loss_mask)]
+            assert all(len(r) == 1 for r in rows)  # one version per row
+            lags.append(dict(Counter(version - int(r[0]) for r in rows)))
+    return lags
+
+
+def _trained_prompts_by_step(out_dir) -> list[list[str]]:
+    rows = [json.loads(line) for line in (out_dir / "rollouts.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["outcome"] == "trained"]
+    assert len({(r["prompt_id"], r["sample_index"]) for r in trained}) == len(trained)  # each sample once
+    steps = sorted({r["step"] for r in trained})
+    return [list(dict.fromkeys(r["prompt_id"] for r in trained if r["step"] == s)) for s in steps]
+
+
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_controlled_lag_trains_every_batch_exactly_k_versions_behind_after_a_ramp(tmp_path, lag):
+    controller, generator, trainer = _controller(tmp_path, "--controlled-lag", str(lag), version_logprobs=True)
+    controller.publish()
+    metrics = [controller.rl_step(step, 0.0) for step in range(1, 7)]
+    _finish(controller, generator)
+    # The first step generates lag + 1 batches under version 0: steps 1..lag train at lags 0..lag-1, then lag.
+    expected = [min(step - 1, lag) for step in range(1, 7)]
+    assert _trained_lags(trainer) == [{e: 8} for e in expected]
+    assert [m["rollout"]["staleness_histogram"] for m in metrics] == [{str(e): 8} for e in expected]
+    assert [m["rollout"]["lag_max"] for m in metrics] == [m["rollout"]["lag_mean"] for m in metrics] == expected
+    rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["lag"] for r in rows] == [e for e in expected for _ in range(8)]  # the log says the lag at training
+    # every prompt trained once, in the order dispatched; the next lag batches wait, the next step's prompts fly
+    dispatched = list(controller.dispatched)
+    assert _trained_prompts_by_step(tmp_path) == [dispatched[i:i + 2] for i in range(0, 12, 2)]
+    assert controller.dispatched.most_common(1)[0][1] == 1 and len(dispatched) == 12 + 2 * lag + 2
+    assert len(controller.held) == lag and len(controller.inflight) == 2
+    assert not any(m["perf"]["async"] for m in metrics)
+
+
+def test_a_resume_keeps_the_held_batches_and_the_lag(tmp_path):
+    from megatron_rl.checkpointing import check_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    flags = ("--controlled-lag", "3", "--save", str(ckpt), "--save-interval", "3")
+    first, generator, first_trainer = _controller(tmp_path, *flags, "--train-iters", "3", version_logprobs=True)
+    first.run()
+    _finish(first, generator)
+    second, generator, second_trainer = _controller(tmp_path, *flags, "--train-iters", "6", "--load", str(ckpt),
+                                                    version_logprobs=True)
+    second.run()
+    _finish(second, generator)
+    # without the 3 held batches in the checkpoint, step 4 would start a new ramp at lag 0
+    lags = _trained_lags(first_trainer) + _trained_lags(second_trainer)
+    assert lags == [{0: 8}, {1: 8}, {2: 8}, {3: 8}, {3: 8}, {3: 8}]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout"]["lag_max"] for m in metrics if "rollout" in m] == [0, 1, 2, 3, 3, 3]
+    dispatched = list(second.dispatched)
+    assert _trained_prompts_by_step(tmp_path) == [dispatched[i:i + 2] for i in range(0, 12, 2)]
+    assert second.dispatched.most_common(1)[0][1] == 1
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert (report["controlled_lag"], report["prompts_held_at_end"]) == (3, 6)
+    # a resume with another lag is refused before any work
+    (ckpt / "iter_0000006" / "metadata.json").write_text("{}")
+    assert check_checkpoint(str(ckpt), second.spec, second.layout.transformer_impl, controlled_lag=3) == 6
+    for lag, saying in ((1, "this run has --controlled-lag 1"), (None, "this run has no --controlled-lag")):
+        with pytest.raises(ValueError, match=f"saved with --controlled-lag 3, {saying}; resume with the saved"):
+            check_checkpoint(str(ckpt), second.spec, second.layout.transformer_impl, controlled_lag=lag)
+
+
+def test_a_skipped_update_shortens_the_lag_of_the_next_k_batches(tmp_path):
+    controller, generator, trainer = _controller(tmp_path, "--controlled-lag", "2", version_logprobs=True)
+    controller.trainer = trainer = RecordingTrainer(skipped={3})
+    controller.publish()
+    metrics = [controller.rl_step(step, 0.0) for step in range(1, 8)]
+    _finish(controller, generator)
+    # step 3's update is skipped: no version 3 until step 4, so the batches of steps 4 and 5 lag by 1
+    assert _trained_lags(trainer) == [{0: 8}, {1: 8}, {2: 8}, {1: 8}, {1: 8}, {2: 8}, {2: 8}]
+    assert [m["rollout"]["lag_max"] for m in metrics] == [0, 1, 2, 1, 1, 2, 2]
 
 
 # ---- the buffer alone ----------------------------------------------------------------------------------------------
