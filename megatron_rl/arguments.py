@@ -12,7 +12,7 @@ import json
 import os
 import re
 
-from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, AlgorithmConfig
 from megatron_rl.models.layout import MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
 from megatron_rl.rewards.shaping import OverlongPenalty
@@ -200,10 +200,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("algorithm")
     g.add_argument("--loss", choices=POLICY_LOSSES, default="aipo",
-                   help="aipo: the paper's one-sided clipped importance weight, held constant; aipo-clamp: clamp "
-                        "without the stop-gradient (zero gradient above rho); ppo: two-sided clipped surrogate")
+                   help="mu: the behavior policy, pi: the trained one, per token. aipo: the paper's one-sided clipped "
+                        "importance weight min(pi/mu, rho), held constant; aipo-clamp: clamp without the "
+                        "stop-gradient (zero gradient above rho); reinforce: no correction; ppo: two-sided clipped "
+                        "surrogate of pi/mu; tis: PPO surrogate times the truncated weight min(pi_prox/mu, "
+                        "--tis-clip) (slime's --use-tis); icepop: weight pi/mu, tokens outside [--is-mask-low, "
+                        "--is-mask-high] masked; gspo: sequence-level geometric-mean ratio, clipped; cispo: clipped "
+                        "weight clip(pi/mu, 1 - --cispo-eps-low, 1 + --cispo-eps-high) (MiniMax-M1); decoupled-ppo: "
+                        "AReaL's decoupled PPO. pi_prox, the policy at the start of the step, is the current "
+                        "policy (one optimizer step per batch)")
     g.add_argument("--aipo-rho", type=float, default=4.0, help="one-sided importance weight clip (paper: 2-10)")
-    g.add_argument("--ppo-clip-eps", type=float, default=0.2)
+    g.add_argument("--ppo-clip-eps", type=float, default=0.2,
+                   help="clip range of ppo, tis and decoupled-ppo: the ratio is clipped to [1 - eps, 1 + "
+                        "--ppo-clip-eps-high]; for gspo the sequence ratio's (GSPO's paper uses 3e-4 and 4e-4)")
+    g.add_argument("--ppo-clip-eps-high", type=float, default=None,
+                   help="upper clip range (DAPO's clip-higher); default --ppo-clip-eps")
+    g.add_argument("--ppo-dual-clip-c", type=float, default=None,
+                   help="dual clip of ppo, tis and decoupled-ppo: where A < 0 a token's loss is at most -C A "
+                        "(verl's clip_ratio_c, whose default is 3); C > 1; default off")
+    g.add_argument("--tis-clip", type=float, default=2.0,
+                   help="tis: the behavior importance weight pi_prox/mu is truncated at this value (slime's "
+                        "--tis-clip, same default)")
+    g.add_argument("--is-mask-low", type=float, default=0.5,
+                   help="icepop: tokens whose pi/mu is below this are masked (NeMo-RL's ProRLv2 configuration: 0.5)")
+    g.add_argument("--is-mask-high", type=float, default=5.0,
+                   help="icepop: tokens whose pi/mu is above this are masked (NeMo-RL's ProRLv2 configuration: 5.0)")
+    g.add_argument("--cispo-eps-low", type=float, default=None,
+                   help="cispo: the weight is clipped below at 1 - this; default none (MiniMax-M1 sets no lower "
+                        "bound)")
+    g.add_argument("--cispo-eps-high", type=float, default=3.0,
+                   help="cispo: the weight is clipped above at 1 + this (MiniMax-M1 tunes it; the default cap 4 is "
+                        "Tinker's CISPO default); without --cispo-eps-low, cispo equals aipo with rho = 1 + this")
+    g.add_argument("--behav-imp-weight-cap", type=float, default=None,
+                   help="decoupled-ppo: tokens whose behavior weight pi_prox/mu exceeds this are masked (AReaL's "
+                        "name; its docs recommend 5); > 1; default off")
     g.add_argument("--advantage-estimator", choices=sorted(ADVANTAGE_ESTIMATORS), default="group-baseline")
     g.add_argument("--loss-aggregation", choices=sorted(AGGREGATIONS), default="token-mean")
     g.add_argument("--kl-coef", type=float, default=0.0,
@@ -461,6 +491,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     validate_reward_shaping(args, parser)
     if args.rollout_temperature <= 0:
         parser.error(f"--rollout-temperature must be > 0 for RL sampling, got {args.rollout_temperature}")
+    try:
+        algorithm_config(args)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def validate_lag(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -522,3 +556,14 @@ def validate_kl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
             parser.error(f"{', '.join(given)} need(s) a KL penalty: --kl-coef > 0")
     if args.kl_loss_type is None:
         args.kl_loss_type = "k1" if args.use_kl_in_reward else "k3"
+
+
+def algorithm_config(args: argparse.Namespace) -> AlgorithmConfig:
+    """The RL algorithm the flags describe (it checks its own ranges, naming the flags)."""
+    return AlgorithmConfig(
+        loss=args.loss, rho=args.aipo_rho, clip_eps=args.ppo_clip_eps, clip_eps_high=args.ppo_clip_eps_high,
+        dual_clip_c=args.ppo_dual_clip_c, tis_clip=args.tis_clip, is_mask_low=args.is_mask_low,
+        is_mask_high=args.is_mask_high, cispo_eps_low=args.cispo_eps_low, cispo_eps_high=args.cispo_eps_high,
+        behav_imp_weight_cap=args.behav_imp_weight_cap, aggregation=args.loss_aggregation, kl_coef=args.kl_coef,
+        kl_estimator=args.kl_loss_type, kl_in_reward=args.use_kl_in_reward, entropy_coef=args.entropy_coef,
+        temperature=args.rollout_temperature)

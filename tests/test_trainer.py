@@ -7,6 +7,8 @@ the default eps 1e-8 is ~lr * sign(g) and turns float-reordering noise on near-z
 differences of up to 2% of lr; with eps 1e-4 it is smooth in g, so layout-induced gradient differences
 (~1e-7 relative) move weights by < 1e-9, while a wrong normalization or sharding moves them by >= 1e-4."""
 
+import math
+
 import pytest
 import torch
 
@@ -256,3 +258,66 @@ def test_distributed_optimizer_checkpoint_is_refused_without_te_or_apex(tmp_path
     message = run_on_ranks(_refuse_rank, 1, str(tmp_path / "ckpt"))[0]
     assert message and "--use-distributed-optimizer checkpoints need Transformer Engine or Apex" in message
     assert not (tmp_path / "ckpt").exists()
+
+
+# ---- the loss menu: one step each, with its statistics -------------------------------------------------------------
+
+MENU = {"aipo": {"rho": 2.0}, "aipo-clamp": {"rho": 2.0}, "reinforce": {}, "ppo": {"dual_clip_c": 1.5},
+        "tis": {"tis_clip": 1.5}, "icepop": {"is_mask_low": 0.5, "is_mask_high": 2.0},
+        "gspo": {"clip_eps": 0.05, "clip_eps_high": 0.1},
+        "cispo": {"cispo_eps_low": 0.5, "cispo_eps_high": 1.0}, "decoupled-ppo": {"behav_imp_weight_cap": 2.0}}
+
+
+def _menu_rank():
+    from megatron_rl.algorithms import AlgorithmConfig
+
+    trainer, batch, out = _setup(1, 1, lr=1e-5), _batch(), {}  # a small lr: every loss sees about the same ratios
+    for name, params in MENU.items():
+        trainer.algo = AlgorithmConfig(loss=name, temperature=TEMPERATURE, **params)
+        before = trainer.compute_logprobs(batch)  # the policy the step starts from
+        out[name] = (before, trainer.train_step(batch))
+    parallel.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def menu_steps():
+    return run_on_ranks(_menu_rank, 1)[0]
+
+
+def _expected_fractions(name, logprobs):
+    """What each loss's statistics must be, from the log-probs the step started from: fractions of valid tokens."""
+    batch = _batch()
+    mask = batch.loss_mask
+    ratio = torch.exp(logprobs - batch.behavior_logprobs)
+    adv = batch.advantages[:, None].expand_as(ratio)
+    seq = torch.exp(torch.where(mask, logprobs - batch.behavior_logprobs, 0.0).sum(-1) / mask.sum(-1))[:, None]
+    none = torch.zeros_like(mask)
+    marks = {
+        "aipo": {"clip_high": ratio > 2.0}, "aipo-clamp": {"clip_high": ratio > 2.0}, "reinforce": {},
+        "ppo": {"clip_high": (adv > 0) & (ratio > 1.2), "clip_low": (adv < 0) & (ratio < 0.8),
+                "dual_clip": (adv < 0) & (ratio > 1.5)},
+        "tis": {"clip_high": none, "clip_low": none, "tis_clip": ratio > 1.5},  # pi / pi_prox = 1
+        "icepop": {"masked": (ratio < 0.5) | (ratio > 2.0)},
+        "gspo": {"clip_high": (adv > 0) & (seq > 1.1), "clip_low": (adv < 0) & (seq < 0.95)},
+        "cispo": {"clip_high": ratio > 2.0, "clip_low": ratio < 0.5},
+        "decoupled-ppo": {"clip_high": none, "clip_low": none, "masked": ratio > 2.0},
+    }[name]
+    return {f"{key}_fraction": (flag & mask).sum().item() / mask.sum().item() for key, flag in marks.items()}
+
+
+@pytest.mark.parametrize("name", list(MENU))
+def test_each_loss_trains_one_step_and_reports_its_fractions(menu_steps, name):
+    before, metrics = menu_steps[name]
+    assert metrics["update_successful"] and metrics["grad_norm"] > 0 and math.isfinite(metrics["loss"])
+    expected = _expected_fractions(name, before)
+    assert {k for k in metrics if k.endswith("_fraction") and k != "ess_fraction"} == set(expected)
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-12), key
+    assert metrics["ratio_p5"] <= metrics["ratio_p50"] <= metrics["ratio_p95"]
+
+
+def test_the_menu_batch_exercises_the_statistics(menu_steps):
+    reported = [v for _, m in menu_steps.values() for k, v in m.items() if k.endswith("_fraction")
+                and k != "ess_fraction"]
+    assert sum(0 < v < 1 for v in reported) >= 10, reported

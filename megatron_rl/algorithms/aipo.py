@@ -10,6 +10,8 @@ trained. With pi == mu it is REINFORCE with the group baseline.
 
 `aipo_clamp_loss` is a different estimator kept under its own name: it writes the ratio without the
 stop-gradient, clamp(pi/mu, max=rho) * A, whose gradient is ZERO for tokens above rho.
+
+Both return the loss and their statistics: `clip_high`, the valid tokens whose ratio exceeds rho.
 """
 
 from __future__ import annotations
@@ -18,28 +20,13 @@ import math
 
 import torch
 
-from megatron_rl.algorithms import checks
+from megatron_rl.algorithms import checks, ratios
 from megatron_rl.algorithms.aggregation import aggregate
-from megatron_rl.algorithms.diagnostics import offpolicy_diagnostics
 
 
-def _validate(logprobs, behavior_logprobs, advantages, loss_mask, rho):
-    checks.float_tensor("logprobs", logprobs)
-    checks.float_tensor("behavior_logprobs", behavior_logprobs)
-    checks.bool_mask("loss_mask", loss_mask)
-    checks.same_shape("logprobs", logprobs, behavior_logprobs=behavior_logprobs, loss_mask=loss_mask)
-    advantages = checks.token_advantages(advantages, logprobs)
-    checks.finite_where("advantages", advantages, loss_mask)
-    checks.finite_where("behavior_logprobs", behavior_logprobs, loss_mask)
-    if not (isinstance(rho, (int, float)) and rho > 0 and math.isfinite(rho)):
-        raise ValueError(f"rho must be a positive finite number, got {rho!r}")
-    return advantages
-
-
-def _safe_log_ratio(logprobs, behavior_logprobs, loss_mask):
-    """log(pi/mu) on valid tokens, 0 elsewhere (masked tokens may hold -inf log-probs)."""
-    zero = torch.zeros((), dtype=logprobs.dtype)
-    return torch.where(loss_mask, logprobs.detach() - behavior_logprobs, zero)
+def _check_rho(rho) -> None:
+    checks.require(isinstance(rho, (int, float)) and rho > 0 and math.isfinite(rho), "rho", rho,
+                   "a positive finite number")
 
 
 def aipo_loss(
@@ -51,22 +38,19 @@ def aipo_loss(
     aggregation: str = "token-mean",
     normalizer: float | None = None,
     constant: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """AIPO loss and its diagnostics.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """AIPO loss and its per-token statistics.
 
     logprobs [B, T] (carries the gradient), behavior_logprobs [B, T], advantages [B] or [B, T],
     loss_mask [B, T] bool (False for prompt, padding and observation tokens). See `aggregate` for
     `aggregation`, `normalizer` and `constant`.
     """
-    advantages = _validate(logprobs, behavior_logprobs, advantages, loss_mask, rho)
-    log_ratio = _safe_log_ratio(logprobs, behavior_logprobs, loss_mask)
-    # min(exp(x), rho) = exp(min(x, log rho)): no overflow for huge ratios.
-    weight = torch.exp(torch.clamp(log_ratio, max=math.log(rho)))  # no grad: log_ratio is detached
-    safe_logprobs = torch.where(loss_mask, logprobs, torch.zeros((), dtype=logprobs.dtype))
-    per_token = -weight * advantages * safe_logprobs
+    advantages = checks.loss_inputs(logprobs, behavior_logprobs, advantages, loss_mask)
+    _check_rho(rho)
+    ratio = ratios.ratio(logprobs.detach(), behavior_logprobs, loss_mask)
+    per_token = ratios.weighted_log_likelihood(ratio.clamp(max=rho), advantages, logprobs, loss_mask)
     loss = aggregate(per_token, loss_mask, aggregation, normalizer, constant)
-    metrics = offpolicy_diagnostics(logprobs.detach(), behavior_logprobs, loss_mask, clip_high=rho)
-    return loss, metrics
+    return loss, ratios.on_valid({"clip_high": ratio > rho}, loss_mask)
 
 
 def aipo_clamp_loss(
@@ -78,13 +62,11 @@ def aipo_clamp_loss(
     aggregation: str = "token-mean",
     normalizer: float | None = None,
     constant: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clamp-without-stop-gradient variant: -clamp(pi/mu, max=rho) * A. Zero gradient above rho."""
-    advantages = _validate(logprobs, behavior_logprobs, advantages, loss_mask, rho)
-    zero = torch.zeros((), dtype=logprobs.dtype)
-    log_ratio = torch.where(loss_mask, logprobs - behavior_logprobs, zero)
-    ratio = torch.exp(torch.clamp(log_ratio, max=math.log(rho)))  # gradient flows; clamp kills it above rho
-    per_token = -ratio * advantages
+    advantages = checks.loss_inputs(logprobs, behavior_logprobs, advantages, loss_mask)
+    _check_rho(rho)
+    ratio = ratios.ratio(logprobs, behavior_logprobs, loss_mask)  # gradient flows; the clamp kills it above rho
+    per_token = -ratio.clamp(max=rho) * advantages
     loss = aggregate(per_token, loss_mask, aggregation, normalizer, constant)
-    metrics = offpolicy_diagnostics(logprobs.detach(), behavior_logprobs, loss_mask, clip_high=rho)
-    return loss, metrics
+    return loss, ratios.on_valid({"clip_high": ratio.detach() > rho}, loss_mask)

@@ -43,3 +43,27 @@ def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tens
         return advantages
     raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected ({like.shape[0]},) or "
                      f"{tuple(like.shape)}")
+
+
+def require(ok: bool, name: str, value, condition: str) -> None:
+    """Refuse a parameter outside its range, naming it (an argument or a flag) and the range."""
+    if not ok:
+        raise ValueError(f"{name} must be {condition}, got {value!r}")
+
+
+def loss_inputs(logprobs, behavior_logprobs, advantages, loss_mask, proximal_logprobs=None) -> torch.Tensor:
+    """The tensors of a policy loss: float [B, T] log-probs (the policy's, the behavior policy's and, if given,
+    the proximal policy's), a bool [B, T] mask, advantages [B] or [B, T], finite wherever the mask is set.
+    Returns the advantages per token [B, T]."""
+    float_tensor("logprobs", logprobs)
+    float_tensor("behavior_logprobs", behavior_logprobs)
+    bool_mask("loss_mask", loss_mask)
+    same_shape("logprobs", logprobs, behavior_logprobs=behavior_logprobs, loss_mask=loss_mask)
+    advantages = token_advantages(advantages, logprobs)
+    finite_where("advantages", advantages, loss_mask)
+    finite_where("behavior_logprobs", behavior_logprobs, loss_mask)
+    if proximal_logprobs is not None:
+        float_tensor("proximal_logprobs", proximal_logprobs)
+        same_shape("logprobs", logprobs, proximal_logprobs=proximal_logprobs)
+        finite_where("proximal_logprobs", proximal_logprobs, loss_mask)
+    return advantages

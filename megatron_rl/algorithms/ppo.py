@@ -1,46 +1,143 @@
-"""PPO/GRPO double-sided clipped surrogate.
+"""The PPO family: the clipped surrogate of a ratio r to an old policy, max(-A r, -A clip(r, 1 - eps, 1 + eps_high)),
+which gives zero gradient to tokens outside the trust region on the side the advantage pushes them.
 
-Kept beside AIPO for the comparison of the LlamaRL appendix: PPO clips the ratio to [1 - eps, 1 + eps_high]
-conditioned on the sign of the advantage (taking the pessimistic of the two surrogates), so tokens outside
-the trust region get zero gradient.
+- `ppo`: the old policy is the behavior policy mu (r = pi/mu). Kept beside AIPO for the comparison of the LlamaRL
+  appendix. Optional dual clip (Ye et al. 2020, arXiv:1912.09729; verl's `clip_ratio_c`, slime's `--eps-clip-c`):
+  where A < 0 the per-token loss is min(surrogate, -C A), which bounds what a token with a huge ratio can cost.
+- `tis`: slime's --use-tis: the surrogate of r = pi/pi_prox times the truncated importance weight
+  min(pi_prox/mu, C) held constant (slime's `--tis-clip`, default 2.0).
+- `decoupled-ppo` (AReaL, arXiv:2505.24298): the surrogate of r = pi/pi_prox times the behavior weight pi_prox/mu held
+  constant; with `behav_imp_weight_cap` (AReaL's name), tokens whose behavior weight exceeds the cap are masked.
+
+pi_prox is the proximal policy: the trainer's own weights at the start of the optimizer step. The trainer takes
+exactly one optimizer step per rollout batch, so pi_prox IS the current policy and pi/pi_prox = 1 in value (with
+the gradient of log pi): the trust region never binds, `tis` reduces to a truncated importance weight (the same
+gradient as AIPO with rho = the tis clip) and `decoupled-ppo` to a masked, untruncated behavior weight (the same
+gradient as icepop with no lower bound and the cap as upper one). The functions take a general proximal tensor all
+the same (several optimizer steps per batch would need it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_rl.algorithms import checks
+from megatron_rl.algorithms import checks, ratios
 from megatron_rl.algorithms.aggregation import aggregate
-from megatron_rl.algorithms.diagnostics import offpolicy_diagnostics
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per token max(-A r, -A clip(r, clip_low, clip_high)), then min(that, -C A) where A < 0 with `dual_clip_c`.
+
+    Written as a choice between -A r and a constant, so that each token's indicator says what happened to it:
+    clip_high (A > 0, r > clip_high), clip_low (A < 0, r < clip_low), dual_clip (A < 0, r > C). A clipped token
+    has zero gradient; the values are those of the max / min form.
+    """
+    high = (advantages > 0) & (ratio > clip_high)
+    low = (advantages < 0) & (ratio < clip_low)
+    bound = torch.where(high, torch.full_like(ratio, clip_high), torch.full_like(ratio, clip_low))
+    per_token = torch.where(high | low, -advantages * bound, -advantages * ratio)
+    indicators = {"clip_high": high, "clip_low": low}
+    if dual_clip_c is not None:
+        dual = (advantages < 0) & (ratio > dual_clip_c)
+        per_token = torch.where(dual, -advantages * dual_clip_c, per_token)
+        indicators["dual_clip"] = dual
+    return per_token, indicators
+
+
+def check_clip(clip_eps: float, clip_eps_high: float | None, dual_clip_c: float | None) -> float:
+    """The PPO parameters' ranges; returns the upper clip eps (`clip_eps` when `clip_eps_high` is None)."""
+    checks.require(0 < clip_eps < 1, "clip_eps", clip_eps, "in (0, 1)")
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    checks.require(high > 0, "clip_eps_high", high, "> 0")
+    checks.require(dual_clip_c is None or dual_clip_c > 1, "dual_clip_c", dual_clip_c, "> 1")
+    return high
+
+
+def _proximal(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor | None) -> torch.Tensor:
+    """pi_prox: the given log-probs, or the current ones held constant (one optimizer step per batch)."""
+    return (logprobs if proximal_logprobs is None else proximal_logprobs).detach()
 
 
 def ppo_clip_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
     aggregation: str = "token-mean",
     normalizer: float | None = None,
     constant: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """max(-A * r, -A * clip(r, 1 - eps, 1 + eps_high)) per token, r = pi / pi_old."""
-    checks.float_tensor("logprobs", logprobs)
-    checks.float_tensor("old_logprobs", old_logprobs)
-    checks.bool_mask("loss_mask", loss_mask)
-    checks.same_shape("logprobs", logprobs, old_logprobs=old_logprobs, loss_mask=loss_mask)
-    advantages = checks.token_advantages(advantages, logprobs)
-    checks.finite_where("advantages", advantages, loss_mask)
-    if not 0 < clip_eps < 1:
-        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    zero = torch.zeros((), dtype=logprobs.dtype)
-    log_ratio = torch.where(loss_mask, logprobs - old_logprobs, zero).clamp(max=20.0)
-    ratio = torch.exp(log_ratio)
-    surrogate = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + high))
-    loss = aggregate(surrogate, loss_mask, aggregation, normalizer, constant)
-    metrics = offpolicy_diagnostics(logprobs.detach(), old_logprobs, loss_mask, clip_low=1 - clip_eps,
-                                    clip_high=1 + high)
-    return loss, metrics
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO/GRPO clipped surrogate with r = pi/mu (see `clipped_surrogate`) and its per-token statistics."""
+    advantages = checks.loss_inputs(logprobs, behavior_logprobs, advantages, loss_mask)
+    high = check_clip(clip_eps, clip_eps_high, dual_clip_c)
+    ratio = ratios.ratio(logprobs, behavior_logprobs, loss_mask)
+    per_token, indicators = clipped_surrogate(ratio, advantages, 1 - clip_eps, 1 + high, dual_clip_c)
+    return aggregate(per_token, loss_mask, aggregation, normalizer, constant), ratios.on_valid(indicators, loss_mask)
 
+
+def tis_loss(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None = None,
+    tis_clip: float = 2.0,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+    constant: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per token surrogate(pi/pi_prox) * sg(min(pi_prox/mu, tis_clip)). Statistics: the surrogate's, and
+    tis_clip (the behavior weight was truncated)."""
+    advantages = checks.loss_inputs(logprobs, behavior_logprobs, advantages, loss_mask, proximal_logprobs)
+    high = check_clip(clip_eps, clip_eps_high, dual_clip_c)
+    checks.require(tis_clip > 0, "tis_clip", tis_clip, "> 0")
+    proximal = _proximal(logprobs, proximal_logprobs)
+    surrogate, indicators = clipped_surrogate(ratios.ratio(logprobs, proximal, loss_mask), advantages,
+                                              1 - clip_eps, 1 + high, dual_clip_c)
+    weight = ratios.ratio(proximal, behavior_logprobs, loss_mask)
+    indicators["tis_clip"] = weight > tis_clip
+    per_token = surrogate * weight.clamp(max=tis_clip).detach()
+    return aggregate(per_token, loss_mask, aggregation, normalizer, constant), ratios.on_valid(indicators, loss_mask)
+
+
+def decoupled_ppo_loss(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None = None,
+    behav_imp_weight_cap: float | None = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+    constant: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per token surrogate(pi/pi_prox) * sg(pi_prox/mu), and 0 where pi_prox/mu > `behav_imp_weight_cap`.
+    Statistics: the surrogate's, and with a cap `masked` (the behavior weight exceeded it)."""
+    advantages = checks.loss_inputs(logprobs, behavior_logprobs, advantages, loss_mask, proximal_logprobs)
+    high = check_clip(clip_eps, clip_eps_high, dual_clip_c)
+    cap = behav_imp_weight_cap
+    checks.require(cap is None or cap > 1, "behav_imp_weight_cap", cap, "> 1")
+    proximal = _proximal(logprobs, proximal_logprobs)
+    surrogate, indicators = clipped_surrogate(ratios.ratio(logprobs, proximal, loss_mask), advantages,
+                                              1 - clip_eps, 1 + high, dual_clip_c)
+    weight = ratios.ratio(proximal, behavior_logprobs, loss_mask)
+    if cap is not None:
+        indicators["masked"] = weight > cap
+        weight = torch.where(indicators["masked"], torch.zeros_like(weight), weight)
+    per_token = surrogate * weight.detach()
+    return aggregate(per_token, loss_mask, aggregation, normalizer, constant), ratios.on_valid(indicators, loss_mask)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_rl import checkpointing
 from megatron_rl.algorithms import AlgorithmConfig
+from megatron_rl.arguments import algorithm_config
 from megatron_rl.conversion import RL_FORMAT
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
@@ -55,10 +56,7 @@ class TrainerExecutor:
                               moe_aux_loss_coeff=args.moe_aux_loss_coeff)
         self.scheduler = build_scheduler(policy, args.lr_warmup_iters, args.train_iters, args.lr_decay_style,
                                          args.lr_wsd_decay_iters, args.lr_wsd_decay_style)
-        self.rl_algo = AlgorithmConfig(loss=args.loss, rho=args.aipo_rho, clip_eps=args.ppo_clip_eps,
-                                       aggregation=args.loss_aggregation, kl_coef=args.kl_coef,
-                                       kl_estimator=args.kl_loss_type, kl_in_reward=args.use_kl_in_reward,
-                                       entropy_coef=args.entropy_coef, temperature=args.rollout_temperature)
+        self.rl_algo = algorithm_config(args)
         self.sft_algo = AlgorithmConfig(loss="sft")
         self.reference = self._build_reference(policy)
         self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler, self.reference)

@@ -25,15 +25,17 @@ from megatron_rl.trainer.reference import ReferenceModel
 
 def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch.Tensor], vocab_size: int,
                 normalizer: float) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The loss of one micro-batch (already divided by the global normalizer) and its raw statistics."""
+    """The loss of one micro-batch (already divided by the global normalizer) and its raw statistics, among them
+    how many valid tokens each of the loss's indicators (clipped, masked, ...) marked."""
     targets = mb["tokens"][:, 1:]
     logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1], targets, vocab_size, algo.temperature)
     mask, blp = mb["loss_mask"], mb["behavior_logprobs"]
     # The batch's own width, not the sequence-parallel padding's: the seq-sum-constant divisor is the same either way.
     aggregation = dict(aggregation=algo.aggregation, normalizer=normalizer, constant=float(mb["width"]))
-    loss = algorithms.LOSSES[algo.loss].compute(
+    loss, indicators = algorithms.LOSSES[algo.loss].compute(
         algorithms.LossInputs(logprobs, blp, mb["advantages"], mask, aggregation), algo)
-    stats: dict[str, Any] = {"pg_loss": loss.detach()}
+    stats: dict[str, Any] = {"pg_loss": loss.detach(),
+                             "indicator_counts": {name: (flag & mask).sum() for name, flag in indicators.items()}}
     if algo.kl_coef:
         if "ref_logprobs" not in mb:
             raise ValueError("kl_coef is set but the micro-batch has no reference log-probs (ref_logprobs)")
@@ -128,12 +130,16 @@ class PolicyTrainer:
             mb["ref_logprobs"] = lp
 
     def _reduce_stats(self, stats: list[dict[str, Any]]) -> dict[str, float]:
+        """The step's metrics, the same on every data-parallel rank: the losses; `<name>_fraction`, the fraction of
+        the batch's valid tokens that each of the loss's indicators marked; the off-policy diagnostics."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_data_parallel_group()
+        names = sorted(stats[0]["indicator_counts"])  # the same on every rank: the loss and its config decide
         scalars = torch.tensor([sum(float(s[k]) for s in stats) if any(k in s for s in stats) else 0.0
-                                for k in ("loss", "pg_loss", "entropy", "kl_ref")], dtype=torch.float64,
-                               device=self.policy.device)
+                                for k in ("loss", "pg_loss", "entropy", "kl_ref")] +
+                               [sum(float(s["indicator_counts"][k]) for s in stats) for k in names],
+                               dtype=torch.float64, device=self.policy.device)
         dist.all_reduce(scalars, group=group)  # each micro-batch's value is already a share of the global mean
         lp = torch.cat([s["logprobs"] for s in stats]).cpu()  # gathered as Python objects: through the host
         blp = torch.cat([s["behavior_logprobs"] for s in stats]).cpu()
@@ -142,11 +148,12 @@ class PolicyTrainer:
         lp = torch.cat([g[0] for g in gathered]).unsqueeze(0)
         blp = torch.cat([g[1] for g in gathered]).unsqueeze(0)
         mask = torch.ones_like(lp, dtype=torch.bool)
-        low, high = algorithms.LOSSES[self.algo.loss].clip_bounds(self.algo)
         out = {"loss": scalars[0].item(), "pg_loss": scalars[1].item(), "entropy": scalars[2].item()}
         if self.algo.kl_coef:
             out["kl_ref"] = scalars[3].item()
-        out.update(algorithms.offpolicy_diagnostics(lp, blp, mask, clip_low=low, clip_high=high))
+        valid_tokens = max(lp.numel(), 1)  # every rank's valid tokens, gathered
+        out.update({f"{name}_fraction": count.item() / valid_tokens for name, count in zip(names, scalars[4:])})
+        out.update(algorithms.offpolicy_diagnostics(lp, blp, mask))
         return out
 
     @torch.no_grad()
