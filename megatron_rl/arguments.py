@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("supervised warm-up")
     g.add_argument("--sft-warmup-iters", type=int, default=0, help="supervised steps before RL")
     g.add_argument("--sft-lr", type=float, default=3e-3)
+    g.add_argument("--sft-lr-warmup-iters", type=int, default=0,
+                   help="linear warm-up of the supervised learning rate from 0 to --sft-lr over this many steps")
     g.add_argument("--sft-batch-size", type=int, default=64)
     g.add_argument("--sft-data", metavar="PATH",
                    help="conversations to imitate in the warm-up (JSONL/parquet read like --prompt-data; each a "

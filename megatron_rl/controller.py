@@ -267,7 +267,9 @@ class Controller:
             answers = [self.tokenizer.encode(p["answer"], add_special_tokens=False) + [eos] for p in problems]
             batch = TrainBatch.from_sequences(prompts, answers, [[0.0] * len(a) for a in answers],
                                               [1.0] * len(problems))
-            loss = self.trainer.command("sft", (batch, self.args.sft_lr))["loss"]
+            lr = self.args.sft_lr * min(1.0, step / self.args.sft_lr_warmup_iters) if self.args.sft_lr_warmup_iters \
+                else self.args.sft_lr
+            loss = self.trainer.command("sft", (batch, lr))["loss"]
             progress.update(step, {"loss": f"{loss:.3f}"})
         progress.close()
 

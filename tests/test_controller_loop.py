@@ -331,3 +331,12 @@ def test_buffer_state_round_trips_through_json():
     restored = RolloutBuffer(group_size=2, max_staleness=1)
     restored.load_state_dict(json.loads(json.dumps(buffer.state_dict())))
     assert restored._groups == buffer._groups
+
+
+def test_the_supervised_learning_rate_warms_up_linearly(tmp_path):
+    controller, generator, trainer = _controller(tmp_path, "--sft-warmup-iters", "5", "--sft-lr", "1e-3",
+                                                 "--sft-lr-warmup-iters", "4")
+    controller.sft_warmup()
+    _finish(controller, generator)
+    lrs = [lr for name, (_, lr) in trainer.commands if name == "sft"]
+    assert lrs == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1e-3], rel=1e-12)

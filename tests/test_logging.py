@@ -38,6 +38,30 @@ def test_plot_writes_a_png(tmp_path):
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def _eval_run(path, points):
+    """metrics.jsonl of a run evaluated before RL (0 s) and at each (step, time, accuracy) of `points`."""
+    path.mkdir()
+    with open(path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 0, "eval": {"arithmetic": {"accuracy": 0.2}}}) + "\n")
+        for step, time_s, accuracy in points:
+            f.write(json.dumps({"step": step, "perf": {"time_s": time_s}, "rollout": {"reward_mean": 0.5,
+                                "accuracy": 0.5}, "eval": {"arithmetic": {"accuracy": accuracy}}}) + "\n")
+
+
+def test_baseline_comparison_finds_when_the_run_first_reached_the_baseline_final_accuracy(tmp_path):
+    from megatron_rl.plot import main, time_to_reach
+
+    _eval_run(tmp_path / "sync", [(10, 40.0, 0.6), (20, 80.0, 0.9)])
+    _eval_run(tmp_path / "async", [(10, 25.0, 0.7), (20, 50.0, 0.92), (30, 75.0, 0.88)])
+    result = time_to_reach(str(tmp_path / "async"), str(tmp_path / "sync"))
+    assert (result["reached_at_seconds"], result["reached_at_step"], result["time_ratio"]) == (50.0, 20, 50 / 80)
+    assert result["run_final_accuracy"] == 0.88
+    _eval_run(tmp_path / "slow", [(10, 90.0, 0.85)])
+    assert time_to_reach(str(tmp_path / "slow"), str(tmp_path / "sync"))["time_ratio"] is None
+    assert main([str(tmp_path / "async"), "--baseline", str(tmp_path / "sync")]) == 0
+    assert json.load(open(tmp_path / "async" / "compare_baseline.json"))["time_ratio"] == 50 / 80
+
+
 def test_console_lines_without_a_terminal_follow_log_interval(tmp_path):
     import io
 
