@@ -193,6 +193,58 @@ def test_a_finished_run_is_skipped_and_one_of_other_flags_is_refused(tmp_path):
         ablation.is_done(str(tmp_path), {**record, "flags": ["--loss", "ppo"]})
 
 
+FAKE_EXAMPLE = """import json, os, sys
+flags = sys.argv[1:]
+value = lambda flag: flags[len(flags) - 1 - flags[::-1].index(flag) + 1]  # the last occurrence wins, as in argparse
+out = os.environ["OUTPUT_DIR"]
+if "--loss" in flags and value("--loss") in os.environ.get("FAIL_LOSSES", "").split():
+    sys.exit(3)
+os.makedirs(out, exist_ok=True)
+iters = int(value("--train-iters")) if "--train-iters" in flags else 0
+lag = int(value("--controlled-lag")) if "--controlled-lag" in flags else 0
+with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+    for step in range(1, iters + 1):
+        f.write(json.dumps({"step": step, "rollout": {"lag_max": float(min(step - 1, lag))},
+                            "train": {"kl_behavior_current": 0.01 * lag, "update_successful": True},
+                            "perf": {"step_time_s": 0.5, "time_s": 0.5 * step}}) + "\\n")
+history = [{"step": s, "accuracy": 0.5 + 0.01 * s} for s in [0] + list(range(3, iters + 1, 3))]
+with open(os.path.join(out, "eval.json"), "w") as f:
+    json.dump({"eval_set": "arithmetic", "accuracy_before_rl": 0.5, "accuracy_after_rl": history[-1]["accuracy"],
+               "train_iters": iters, "eval_sets": {"arithmetic": {"history": history, "distinct_problems": 100}}}, f)
+"""
+
+
+def _fake_grid(tmp_path, monkeypatch, losses, fail=()):
+    """run_grid with a stand-in for the example (writes plausible records; fails for the losses in `fail`)."""
+    (tmp_path / "fake.py").write_text(FAKE_EXAMPLE)
+    script = tmp_path / "fake.sh"
+    script.write_text(f'exec "{sys.executable}" "{tmp_path / "fake.py"}" "$@"\n')
+    args = ablation.parse_args(["--quick", "--losses", *losses, "--output-dir", str(tmp_path / "out")])
+    monkeypatch.setenv("FAIL_LOSSES", " ".join(fail))
+    return args, str(script), ablation.run_grid(args, str(script))
+
+
+def test_the_grid_runs_each_seed_warm_up_first_records_later_failures_and_resumes(tmp_path, monkeypatch, capsys):
+    args, script, grid = _fake_grid(tmp_path, monkeypatch, ["aipo", "ppo"], fail=["ppo"])
+    assert sorted(grid["runs"]) == [(0, "aipo", 1), (2, "aipo", 1)]
+    assert [(f["lag"], f["loss"]) for f in grid["failed"]] == [(0, "ppo"), (2, "ppo")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[ablation] ")]
+    assert lines[0].startswith("[ablation] 1/5 warm-up seed 1:") and "ETA" in lines[0]
+    assert lines[1].startswith("[ablation] 2/5 lag 0 aipo seed 1:") and lines[-1].startswith("[ablation] 5/5")
+    summary = ablation.build_summary(args, ["--quick"], script, grid, {
+        "commit": None, "machine": {}, "wall_seconds": 1.0, "load_average": {"start": [0.0], "end": [0.0]}})
+    assert [(c["lag"], c["loss"]) for c in summary["cells"]] == [(0, "aipo"), (2, "aipo")]
+    assert summary["runs"][1]["kl_behavior_current"] == pytest.approx(0.02)  # steps 3..6, at the full lag
+    _, _, again = _fake_grid(tmp_path, monkeypatch, ["aipo", "ppo"])  # resumed: only the failed runs run again
+    assert "lag 0 aipo seed 1: done before" in capsys.readouterr().out
+    assert not again["failed"] and len(again["runs"]) == 4
+
+
+def test_a_failure_before_any_run_succeeded_stops_the_ablation(tmp_path, monkeypatch):
+    with pytest.raises(ablation.RunFailed, match="exit status 3"):
+        _fake_grid(tmp_path, monkeypatch, ["ppo", "aipo"], fail=["ppo"])
+
+
 # ---- end to end ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
