@@ -340,11 +340,15 @@ def machine() -> dict:
 
 
 def git_commit() -> str | None:
+    """The checkout's commit, marked when the checkout has uncommitted changes; None outside git."""
     try:
-        r = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return r.stdout.strip() or None
+    commit = head.stdout.strip()
+    return f"{commit} (with uncommitted changes)" if commit and dirty.stdout.strip() else commit or None
 
 
 def build_summary(args: argparse.Namespace, argv: list[str], script: str, grid: dict, context: dict) -> dict:
