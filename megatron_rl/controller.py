@@ -235,7 +235,8 @@ class Controller:
         return self.args.save_hf or os.path.join(self.args.output_dir, "hf")
 
     def hf_export_due(self, step: int) -> bool:
-        """HF exports (--save-hf, --save-hf-interval): every interval, and at the last step."""
+        """HF exports (--save-hf, --save-hf-interval): every interval, and at the last step (step 0 of a run
+        without RL steps, --train-iters 0: the policy as RL would begin, e.g. after a shared warm-up)."""
         interval = self.args.save_hf_interval
         if not (self.args.save_hf or interval):
             return False
@@ -378,6 +379,8 @@ class Controller:
         if args.controlled_lag is not None:
             mode = f"lag {args.controlled_lag}"
         progress = Progress(start_step, args.train_iters, f"{args.loss.upper()} ({mode})", args.log_interval)
+        if args.train_iters == 0 and self.hf_export_due(0):
+            self.trainer.command("save_hf", checkpointing.iteration_dir(self.hf_export_dir(), 0))
         for step in range(start_step + 1, args.train_iters + 1):
             metrics = self.rl_step(step, run_start)
             if self.eval_sets and (args.eval_interval and step % args.eval_interval == 0 or step == args.train_iters):

@@ -210,6 +210,29 @@ def test_a_resume_sends_exactly_the_lost_samples_again_with_their_request_ids(tm
     assert second.dispatched == Counter(state["dispatched"])  # a resend is not a new dispatch
 
 
+def _exports(trainer) -> list[str]:
+    return [os.path.basename(p) for n, p in trainer.commands if n == "save_hf"]
+
+
+def test_a_run_without_rl_steps_exports_the_warmed_up_policy(tmp_path):
+    controller, generator, trainer = _controller(tmp_path, "--train-iters", "0", "--sft-warmup-iters", "2",
+                                                 "--save-hf", str(tmp_path / "hf"))
+    controller.run()
+    _finish(controller, generator)
+    names = [n for n, _ in trainer.commands]
+    assert _exports(trainer) == ["iter_0000000"] and "train" not in names
+    assert names.index("save_hf") > max(i for i, n in enumerate(names) if n in ("sft", "publish"))  # after warm-up
+    assert json.loads((tmp_path / "eval.json").read_text())["train_iters"] == 0
+
+
+def test_a_run_with_rl_steps_exports_only_at_its_last_step(tmp_path):
+    controller, generator, trainer = _controller(tmp_path, "--train-iters", "2", "--async-mode", "off",
+                                                 "--save-hf", str(tmp_path / "hf"))
+    controller.run()
+    _finish(controller, generator)
+    assert _exports(trainer) == ["iter_0000002"]
+
+
 # ---- --controlled-lag --------------------------------------------------------------------------------------------
 
 def _trained_lags(trainer) -> list[dict[int, int]]:

@@ -1,20 +1,31 @@
 """python -m megatron_rl.bench {async,ddma,engine,trainer,reward,r3,fp8,all} [--quick]: one JSON object per benchmark,
-and as the last line one object with all of them (`all` runs every benchmark but fp8 and gpu, which need a GPU)."""
+and as the last line one object with all of them (`all` runs every benchmark but fp8 and gpu, which need a GPU).
+
+python -m megatron_rl.bench ablation [--quick] [flags] [-- train flags]: the off-policy correction vs lag ablation, with
+flags of its own (`python -m megatron_rl.bench ablation -h`); hours for the full grid, so not part of `all`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
 
 BENCHMARKS = ("async", "ddma", "engine", "trainer", "reward", "r3")
 GPU_ONLY = ("fp8", "gpu")
+STUDIES = ("ablation",)  # runs many trainings, with flags of their own
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.bench", description=__doc__)
-    parser.add_argument("which", choices=BENCHMARKS + GPU_ONLY + ("all",))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["ablation"]:
+        from megatron_rl.bench import ablation
+
+        return ablation.main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=BENCHMARKS + GPU_ONLY + STUDIES + ("all",))
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a run of a few minutes")
     parser.add_argument("--results-file", default=os.environ.get("BENCH_RESULTS", "bench_results.jsonl"),
                         help="each result is also appended here as one JSON line")
