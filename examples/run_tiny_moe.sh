@@ -9,5 +9,6 @@
 # Writes $OUTPUT_DIR/{metrics.jsonl,eval.json,reward_curve.png} (default outputs/tiny_moe).
 set -euo pipefail
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/tiny_moe}
+export GPUS_PER_NODE=${GPUS_PER_NODE:-3}  # processes: 2 trainer ranks (EP=2) + 1 generator
 exec bash "$(dirname "$0")/run_tiny_aipo.sh" --tensor-model-parallel-size 1 --expert-model-parallel-size 2 \
     --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 96 "$@"

@@ -15,7 +15,8 @@ STEPS = 60
 # The one-digit task (200 expressions, 15 held out) with the recipe that learns it in seconds: this test is about
 # experts, not about the main example's harder task.
 ONE_DIGIT_RECIPE = ["--task-max-digits", "1", "--eval-size", "15", "--sft-warmup-iters", "300", "--sft-lr", "3e-3",
-                    "--sft-lr-warmup-iters", "0", "--lr", "5e-4", "--rollout-temperature", "1.0"]
+                    "--sft-lr-warmup-iters", "0", "--lr", "5e-4", "--lr-decay-style", "constant",
+                    "--rollout-temperature", "1.0"]
 
 
 @pytest.mark.slow

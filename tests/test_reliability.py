@@ -177,8 +177,8 @@ def checkpoint_copy(crashed_and_resumed, tmp_path):
     return copy
 
 
-DRY_RUN = ("--model", "tiny-arith", "--seq-length", "32", "--dry-run", "--world-size", "3",
-           "--tensor-model-parallel-size", "2")
+DRY_RUN = ("--model", "tiny-arith", "--seq-length", "32", "--dry-run", "--world-size", "2",
+           "--tensor-model-parallel-size", "1")  # the layout of examples/run_tiny_aipo.sh, which wrote the checkpoint
 
 
 def test_an_intact_checkpoint_passes_the_start_checks(checkpoint_copy, capsys):
