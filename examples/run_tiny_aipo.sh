@@ -30,7 +30,7 @@ TRAINING_ARGS=(
     --clip-grad 1.0 --seed 1234
 )
 RL_ARGS=(
-    --loss aipo --aipo-rho 4 --advantage-estimator group-baseline --async-mode on --max-staleness 1
+    --loss aipo --aipo-rho 4 --advantage-estimator group-baseline  # asynchronous, staleness 1: the defaults
     --n-samples-per-prompt 4 --rollout-temperature 0.7 --rollout-max-response-len 6
     --reward-fn math --reward-num-workers 2
 )

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sft-warmup-iters", type=int, default=0, help="supervised steps before RL")
     g.add_argument("--sft-lr", type=float, default=3e-3)
     g.add_argument("--sft-lr-warmup-iters", type=int, default=0,
-                   help="linear warm-up of the supervised learning rate from 0 to --sft-lr over this many steps")
+                   help="linear warm-up of the supervised learning rate: step k of the first N runs at --sft-lr x "
+                        "k / N")
     g.add_argument("--sft-batch-size", type=int, default=64)
     g.add_argument("--sft-data", metavar="PATH",
                    help="conversations to imitate in the warm-up (JSONL/parquet read like --prompt-data; each a "
@@ -231,11 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cispo: the weight is clipped below at 1 - this; default none (MiniMax-M1 sets no lower "
                         "bound)")
     g.add_argument("--cispo-eps-high", type=float, default=3.0,
-                   help="cispo: the weight is clipped above at 1 + this (MiniMax-M1 tunes it; the default cap 4 is "
-                        "Tinker's CISPO default); without --cispo-eps-low, cispo equals aipo with rho = 1 + this")
+                   help="cispo: the weight is clipped above at 1 + this (MiniMax-M1 tunes it per run; the default "
+                        "caps the weight at 4); without --cispo-eps-low, cispo equals aipo with rho = 1 + this")
     g.add_argument("--behav-imp-weight-cap", type=float, default=None,
                    help="decoupled-ppo: tokens whose behavior weight pi_prox/mu exceeds this are masked (AReaL's "
-                        "name; its docs recommend 5); > 1; default off")
+                        "name); > 1; default off")
     g.add_argument("--advantage-estimator", choices=sorted(ADVANTAGE_ESTIMATORS), default="group-baseline")
     g.add_argument("--loss-aggregation", choices=sorted(AGGREGATIONS), default="token-mean")
     g.add_argument("--kl-coef", type=float, default=0.0,
@@ -434,6 +435,16 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.n_samples_per_prompt < 2:
         parser.error(f"--n-samples-per-prompt must be >= 2 for a group baseline, got {args.n_samples_per_prompt}")
     validate_lag(args, parser)
+    if args.sft_lr_warmup_iters < 0:
+        parser.error(f"--sft-lr-warmup-iters must be >= 0, got {args.sft_lr_warmup_iters}")
+    if not args.prompt_data and args.eval_size:  # the task's held-out set: distinct problems, as many as asked
+        from megatron_rl.data.arithmetic import ArithmeticTask
+
+        try:
+            ArithmeticTask(seed=args.seed, min_digits=args.task_min_digits, max_digits=args.task_max_digits,
+                           num_operands=args.task_operands).check_distinct_count(args.eval_size)
+        except ValueError as e:
+            parser.error(str(e))
     if args.sft_warmup_iters and args.prompt_data and not args.sft_data:
         parser.error("--sft-warmup-iters with --prompt-data needs --sft-data (conversations to imitate), or drop "
                      "--sft-warmup-iters")

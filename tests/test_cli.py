@@ -63,6 +63,18 @@ def test_controlled_lag_contradictions_name_both_flags(flags, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--task-max-digits", "1"], "--eval-size 200: the task's eval split has only 15 distinct problems (200 "
+                                 "expressions in all)"),
+    (["--sft-lr-warmup-iters", "-1"], "--sft-lr-warmup-iters must be >= 0, got -1"),
+])
+def test_task_and_warm_up_flags_are_checked_before_any_work(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    parse_args(["--task-max-digits", "1", "--eval-size", "15"])  # the whole held-out split may be asked for
+
+
 def _lag_flags(*flags):
     args = parse_args(list(flags))
     return args.async_mode, args.max_staleness, args.controlled_lag

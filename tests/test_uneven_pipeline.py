@@ -47,7 +47,13 @@ def _rank():
             batch = TrainBatch.from_sequences([torch.randint(0, vocab, (5,), generator=g).tolist() for _ in range(4)],
                                               [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(4)],
                                               [[-2.0] * 6] * 4, [1.0, -1.0, 0.5, -0.5])
+            step_lrs = []  # the learning rate each optimizer step runs with
+            optimizer = trainer.trainer.policy.optimizer
+            step = optimizer.step
+            optimizer.step = lambda: (step_lrs.append(optimizer.param_groups[0]["lr"]), step())[1]
+            trainer.command("sft", (batch, 0.05))  # a warm-up step at its own lr; RL must return to --lr
             metrics = trainer.command("train", batch)
+            metrics["step_lrs"] = step_lrs
             trainer.command("publish", 1)
             trainer.stop()
         else:
@@ -69,6 +75,7 @@ def test_uneven_pipeline_stages_train_and_the_generator_gets_the_weights_bit_for
     assert layout.stage_sizes(spec) == [1, 4]
     assert {len({n.split(".")[2] for n in t["params"] if n.startswith("decoder.layers.")}) for t in trainers} == {1, 4}
     assert trainers[0]["metrics"]["update_successful"] and all(t["moved"] > 0 for t in trainers)
+    assert trainers[0]["metrics"]["step_lrs"] == [0.05, 1e-2]  # the RL step at --lr, not the warm-up's
     hf = merge_to_hf(spec, layout, {(t["tp_rank"], t["pp_rank"]): t["params"] for t in trainers})
     assert generator["version"] == 1
     runtime = generator["runtime"]

@@ -19,10 +19,11 @@ STUDIES = ("ablation",)  # runs many trainings, with flags of their own
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["ablation"]:
+    if "ablation" in argv:  # a study with flags of its own, wherever its name stands
         from megatron_rl.bench import ablation
 
-        return ablation.main(argv[1:])
+        argv.remove("ablation")
+        return ablation.main(argv)
     parser = argparse.ArgumentParser(prog="python -m megatron_rl.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("which", choices=BENCHMARKS + GPU_ONLY + STUDIES + ("all",))

@@ -284,8 +284,17 @@ def run_grid(args: argparse.Namespace, script: str) -> dict:
                                                              "RL": len(args.seeds) * len(cells)})
     out = {"warmups": {}, "runs": {}, "failed": []}
     for seed in args.seeds:
-        out["warmups"][seed] = run_one(args, script, progress, "warm-up", f"warm-up seed {seed}",
-                                       warmup_dir(args.output_dir, seed), warmup_flags(args, seed))
+        try:
+            out["warmups"][seed] = run_one(args, script, progress, "warm-up", f"warm-up seed {seed}",
+                                           warmup_dir(args.output_dir, seed), warmup_flags(args, seed))
+        except RunFailed as e:
+            if not out["runs"]:
+                raise
+            print(f"[ablation] warm-up seed {seed} failed, its runs are skipped: {e}", file=sys.stderr, flush=True)
+            out["failed"] += [{"lag": lag, "loss": loss, "seed": seed,
+                               "log": os.path.join(warmup_dir(args.output_dir, seed), "run.log")}
+                              for lag, loss in cells]
+            continue
         for lag, loss in cells:
             label = f"lag {lag} {loss} seed {seed}"
             try:

@@ -9,6 +9,7 @@ set (`distinct_problems`) never does, so its accuracy counts distinct problems t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import random
@@ -66,21 +67,27 @@ class ArithmeticTask:
             for ops in itertools.product(sorted(set(self.operators)), repeat=self.num_operands - 1):
                 yield operands[0] + "".join(o + n for o, n in zip(ops, operands[1:]))
 
+    @functools.cache  # noqa: B019 (a frozen dataclass: tasks equal by value share one count)
     def split_size(self, split: str = "eval") -> int | None:
         """The exact number of distinct expressions in `split`, or None for a space too large to list."""
         if self.space_size() > self.ENUMERATE_LIMIT:
             return None
         return sum(self._split_of(e) == split for e in self._expressions())
 
-    def distinct_problems(self, count: int, split: str = "eval") -> list[dict]:
-        """`count` different problems of `split`, a pure function of (seed, split, count): drawn like `problems`
-        (the same distribution), repeats skipped; in a small space, once draws mostly repeat, the rest comes from
-        the split's unseen expressions in a seeded order."""
+    def check_distinct_count(self, count: int, split: str = "eval") -> int | None:
+        """The split's size (None: too large to list), after refusing a `count` of distinct problems it lacks."""
         available = self.split_size(split)
         if available is not None and count > available:
             raise ValueError(f"--eval-size {count}: the task's {split} split has only {available} distinct problems "
                              f"({self.space_size()} expressions in all); lower it or widen the task "
                              "(--task-max-digits, --task-operands)")
+        return available
+
+    def distinct_problems(self, count: int, split: str = "eval") -> list[dict]:
+        """`count` different problems of `split`, a pure function of (seed, split, count): drawn like `problems`
+        (the same distribution), repeats skipped; in a small space, once draws mostly repeat, the rest comes from
+        the split's unseen expressions in a seeded order."""
+        available = self.check_distinct_count(count, split)
         out, seen, index = [], set(), 0
         while len(out) < count and (available is None or index < 20 * count):
             problem = self.problem(index, split)

@@ -122,6 +122,7 @@ class TrainerExecutor:
     # ---- handlers -------------------------------------------------------------------------------------------------
     def _train(self, batch):
         self.trainer.algo, self.trainer.scheduler = self.rl_algo, self.scheduler
+        self.scheduler.step(increment=0)  # the scheduled lr again, after a warm-up step set its own
         metrics = self.trainer.train_step(batch, before_update=self._finish_publish)
         if self.args.log_param_checksum:
             metrics["param_checksum"] = self.param_checksum()
