@@ -247,7 +247,8 @@ the runs of a seed (exported once per seed, loaded with `--load-hf`; RL starts w
   {grid['train_iters'] or "the example's"}; warm-up steps: {grid['warmup_iters'] or "the example's"}; extra flags:
   `{' '.join(grid['extra_flags']) or 'none'}`.
 - Held-out set: {problems} distinct problems (eval.json), greedy, evaluated before RL, every
-  {grid['eval_interval']} RL steps and at the end.
+  {grid['eval_interval']} RL steps and at the end. The set is drawn with the run's seed, so each seed has its own
+  (all runs of a seed share one); the spread over seeds includes the spread of the sets.
 """
 
 
