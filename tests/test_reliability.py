@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from megatron_rl.algorithms import POLICY_LOSSES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--sft-warmup-iters", "2", "--train-iters", "8", "--eval-size", "8", "--global-batch-size", "16",
          "--micro-batch-size", "8", "--rollout-max-response-len", "4", "--reward-num-workers", "1",
@@ -128,7 +130,7 @@ def test_malformed_dataset_lines_are_named(tmp_path, line, message):
     ("{not json", ": invalid JSON"),
     ('{"tensor_model_paralel_size": 2}', ": unknown field(s) ['tensor_model_paralel_size']"),
     ('{"lr": "fast"}', ": field 'lr' must be float, got str"),
-    ('{"loss": "grpo"}', ": field 'loss' must be one of ['aipo', 'aipo-clamp', 'ppo'], got 'grpo'"),
+    ('{"loss": "grpo"}', f": field 'loss' must be one of {POLICY_LOSSES}, got 'grpo'"),
     ('{"train_iters": 2.5}', ": field 'train_iters' must be int, got float"),
     ("[1, 2]", ": must be a JSON object of flag values, got list"),
 ])

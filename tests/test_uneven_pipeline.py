@@ -5,6 +5,7 @@ process groups of `init_roles`, the trainer executor's train and publish command
 After one optimizer step and one DDMA publish, every runtime tensor of the generator must equal, bit for bit, the
 slice of the trainer's updated weights that the layout mapping assigns to it (fp32: nothing is rounded)."""
 
+import pytest
 import torch
 
 from megatron_rl.launch import run_on_ranks
@@ -67,6 +68,7 @@ def _rank():
     return out
 
 
+@pytest.mark.slow  # 5 processes, about a minute: the default suite stays under its 15 minutes
 def test_uneven_pipeline_stages_train_and_the_generator_gets_the_weights_bit_for_bit():
     from megatron_rl.trainer.weights import merge_to_hf
 
