@@ -72,7 +72,7 @@ class HeldBatch:
         seen = self.seen
         return {"version": self.version, "discards": dict(seen["discards"]),
                 "lags": {str(k): v for k, v in seen["lags"].items()}, "sampled_rewards": seen["sampled_rewards"],
-                "ages": seen["ages"], "outcomes": [[r.to_dict(), reason] for r, reason in seen["outcomes"]]}
+                "outcomes": [[r.to_dict(), reason] for r, reason in seen["outcomes"]]}
 
     @classmethod
     def from_dict(cls, d: dict) -> HeldBatch:
@@ -82,7 +82,7 @@ class HeldBatch:
             if reason is None:
                 groups[r.prompt_id].append(r)
         seen = {"discards": Counter(d["discards"]), "lags": Counter({int(k): v for k, v in d["lags"].items()}),
-                "sampled_rewards": d["sampled_rewards"], "ages": d["ages"], "outcomes": outcomes}
+                "sampled_rewards": d["sampled_rewards"], "ages": [], "outcomes": outcomes}  # ages: at release
         return cls(d["version"], list(groups.values()), seen)
 
 

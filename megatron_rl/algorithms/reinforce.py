@@ -17,6 +17,7 @@ import torch
 
 from megatron_rl.algorithms import checks, ratios
 from megatron_rl.algorithms.aggregation import aggregate
+from megatron_rl.algorithms.gates import token_ratio_mask
 
 
 def reinforce_loss(
@@ -47,10 +48,9 @@ def icepop_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """-sg(pi/mu) * A * log pi for tokens with low <= pi/mu <= high, 0 for the others (statistic: `masked`)."""
     advantages = checks.loss_inputs(logprobs, behavior_logprobs, advantages, loss_mask)
-    checks.require(0 <= low < 1, "low", low, "in [0, 1)")
-    checks.require(high > 1, "high", high, "> 1")
+    kept, _ = token_ratio_mask(logprobs.detach(), behavior_logprobs, loss_mask, low, high)
+    masked = loss_mask & ~kept
     ratio = ratios.ratio(logprobs.detach(), behavior_logprobs, loss_mask)
-    masked = (ratio < low) | (ratio > high)
     weight = torch.where(masked, torch.zeros_like(ratio), ratio)
     per_token = ratios.weighted_log_likelihood(weight, advantages, logprobs, loss_mask)
     return aggregate(per_token, loss_mask, aggregation, normalizer, constant), ratios.on_valid({"masked": masked},
