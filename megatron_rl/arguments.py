@@ -159,8 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir")
     g.add_argument("--log-param-checksum", action="store_true",
                    help="log a float64 sum of all policy weights after each step (for determinism checks)")
-    g.add_argument("--log-rollouts", action="store_true",
-                   help="write every consumed or discarded rollout's contract fields to rollouts.jsonl")
 
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-backend", choices=sorted(ENGINE_BACKENDS), default="local",

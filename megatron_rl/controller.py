@@ -124,12 +124,13 @@ class Controller:
         self.gen_stats: dict[int, dict] = {}  # generator rank -> its cumulative counters
         self._gen_totals: dict = {}  # their sums at the previous step
         self.version, self.consumed, self.skipped_steps, self.consecutive_skips = -1, 0, 0, 0
+        self.step = 0  # the RL step under way (0 before the first)
         self.reward_failures = RewardFailures(args.max_consecutive_reward_failures)
         self._next_leader = self._stopped = 0
         os.makedirs(args.output_dir, exist_ok=True)
         if args.load:
             checkpointing.truncate_logs_to_checkpoint(args.load, args.output_dir)
-        self.rollout_log = RolloutLog(args.output_dir, append=bool(args.load)) if args.log_rollouts else None
+        self.rollout_log = RolloutLog(args.output_dir, append=bool(args.load))
         self.logger = MetricsLogger(args.output_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
                                     args.tensorboard_dir, config={k: v for k, v in vars(args).items()
                                                                   if isinstance(v, (int, float, str, bool))},
@@ -144,6 +145,8 @@ class Controller:
         """Send `samples` (a count, or the sample indices) of each problem to a generator. `resent`: samples lost
         in flight at a crash, sent again after a resume (not a new dispatch of the prompt)."""
         by_leader = defaultdict(list)
+        if not is_eval and not resent:
+            self.rollout_log.dispatched(self.step, [str(p["id"]) for p in problems], samples)
         for problem in problems:
             pid = str(problem["id"])
             if not is_eval and not resent:
@@ -226,8 +229,7 @@ class Controller:
         lost = {pid: ks for pid, ks in lost.items() if ks}
         for pid, samples in lost.items():
             self.dispatch([self.inflight[pid]], samples, self.rl_params, resent=True)
-            for k in samples if self.rollout_log is not None else ():
-                self.rollout_log.resent(step, pid, k)
+            self.rollout_log.resent(step, pid, samples)
         print(f"resumed at step {step}: {self.buffer.pending()} buffered rollouts kept, "
               f"{sum(map(len, lost.values()))} in-flight samples of {len(lost)} prompts generated again", flush=True)
 
@@ -325,11 +327,11 @@ class Controller:
                                       kl_coef=args.kl_coef, kl_estimator=args.kl_loss_type, routing_replay=replay)
 
     def rl_step(self, step: int, run_start: float) -> dict:
+        self.step = step
         ahead, times, start = self.is_async_step(step), StepTimes(), time.perf_counter()
         collect = self.collect if self.args.controlled_lag is None else self.collect_held
         groups, seen = collect(step, times)
-        if self.rollout_log is not None:
-            self.rollout_log.outcomes(step, self.version, seen["outcomes"])
+        self.rollout_log.outcomes(step, self.version, seen["outcomes"])
         if ahead:
             self.top_up(self.prompts_per_step)  # the next step's prompts generate while this step trains
         t = time.perf_counter()
@@ -412,8 +414,7 @@ class Controller:
             self.control.flush()
         finally:
             self.logger.close()
-            if self.rollout_log is not None:
-                self.rollout_log.close()
+            self.rollout_log.close()
             close = getattr(self.reward_fn, "close", None)
             if close is not None:
                 close()

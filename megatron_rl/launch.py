@@ -20,18 +20,6 @@ class RankFailure(RuntimeError):
     pass
 
 
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies, however the parent dies (Linux
-    PR_SET_PDEATHSIG). torchrun starts each worker in a session of its own, so a SIGKILL of the launcher's
-    process group would otherwise leave the workers running; the same holds for a launched SGLang server."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent died before the request took effect
-        os._exit(1)
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -74,7 +62,7 @@ def run_on_ranks(
     `fn` must be importable by name (a module-level function), as spawn requires. Each rank has torchrun's
     environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and, unless `backend` is None, a default process group.
     """
-    import torch.multiprocessing as mp  # here, not at the top: die_with_parent's callers need no torch
+    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -3,7 +3,7 @@
 `eval/<set>/*` from evaluations), written always to a JSONL file (nested groups) and to wandb and tensorboard
 when asked, with Megatron-LM's flag names (--wandb-project, --wandb-exp-name, --wandb-save-dir,
 --tensorboard-dir; groups become "rollout/reward_mean" keys there); the console progress (`Progress`); and the
-per-rollout log (--log-rollouts)."""
+ledger of rollouts (rollouts.jsonl)."""
 
 from __future__ import annotations
 
@@ -76,27 +76,34 @@ class MetricsLogger:
 
 
 class RolloutLog:
-    """rollouts.jsonl (--log-rollouts): the trajectory contract of every consumed or discarded rollout, and why."""
+    """rollouts.jsonl, the run's ledger (always written): every RL prompt dispatched, every sample trained on or
+    discarded (with the reason and its contract fields), every sample generated again after a resume. Each row
+    has the step it belongs to (a resume drops the rows of lost steps) and an `event`: "dispatched", "trained",
+    "discarded" or "resent". `megatron_rl.accounting` reads it back."""
 
     def __init__(self, output_dir: str, append: bool):
         self._file = open(os.path.join(output_dir, "rollouts.jsonl"), "a" if append else "w")
 
-    def outcomes(self, step: int, version: int, outcomes) -> None:
-        """(rollout, None if trained else the reason) pairs consumed at trainer `version`."""
-        for r, reason in outcomes:
-            o = r.output
-            self._file.write(json.dumps({
-                "step": step, "prompt_id": r.prompt_id, "sample_index": r.sample_index, "versions": o.versions,
-                "consumed_at_version": version, "lag": version - r.oldest_version, "outcome": reason or "trained",
-                "reward": r.reward.reward, "reward_status": r.reward.status, "finish_reason": o.finish_reason,
-                "num_retractions": o.num_retractions, "logprob_convention": o.logprob_convention,
-                "response_tokens": len(o.token_ids)}) + "\n")
+    def _write(self, rows) -> None:
+        self._file.writelines(json.dumps(row) + "\n" for row in rows)
         self._file.flush()
 
-    def resent(self, step: int, prompt_id: str, sample_index: int) -> None:
-        self._file.write(json.dumps({"step": step, "prompt_id": prompt_id, "sample_index": sample_index,
-                                     "outcome": "in flight at the checkpoint: generated again"}) + "\n")
-        self._file.flush()
+    def dispatched(self, step: int, prompt_ids: list[str], samples: int) -> None:
+        self._write({"step": step, "event": "dispatched", "prompt_id": pid, "samples": samples} for pid in prompt_ids)
+
+    def outcomes(self, step: int, version: int, outcomes) -> None:
+        """(rollout, None if trained else the reason) pairs consumed at trainer `version`."""
+        self._write({
+            "step": step, "event": "discarded" if reason else "trained", "prompt_id": r.prompt_id,
+            "sample_index": r.sample_index, "versions": r.output.versions, "consumed_at_version": version,
+            "lag": version - r.oldest_version, "outcome": reason or "trained", "reward": r.reward.reward,
+            "reward_status": r.reward.status, "finish_reason": r.output.finish_reason,
+            "num_retractions": r.output.num_retractions, "logprob_convention": r.output.logprob_convention,
+            "response_tokens": len(r.output.token_ids)} for r, reason in outcomes)
+
+    def resent(self, step: int, prompt_id: str, samples: list[int]) -> None:
+        self._write({"step": step, "event": "resent", "prompt_id": prompt_id, "sample_index": k,
+                     "outcome": "in flight at the checkpoint: generated again"} for k in samples)
 
     def close(self) -> None:
         self._file.close()

@@ -8,10 +8,11 @@ import sys
 
 def main(argv=None) -> int:
     from megatron_rl.arguments import parse_args
-    from megatron_rl.launch import die_with_parent
+    from megatron_rl.lifetime import die_with_parent, reap_when_gone
 
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()  # a killed torchrun takes its workers with it (they run in sessions of their own)
+    reap_when_gone()  # and whatever this rank starts dies with it
     args = parse_args(argv)
     try:
         if args.dry_run:

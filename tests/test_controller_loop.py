@@ -104,11 +104,16 @@ class RecordingTrainer:
         return [p for n, p in self.commands if n == "train"]
 
 
-def _controller(tmp_path, *flags, stale_prompts=0, reward="reward_exact", log_rollouts=True, version_logprobs=False):
+def _consumed_rows(out_dir) -> list[dict]:
+    """The ledger's rows of samples trained on or discarded."""
+    rows = [json.loads(line) for line in (out_dir / "rollouts.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["event"] in ("trained", "discarded")]
+
+
+def _controller(tmp_path, *flags, stale_prompts=0, reward="reward_exact", version_logprobs=False):
     args = parse_args(["--global-batch-size", "8", "--n-samples-per-prompt", "4", "--custom-rm-path",
                        f"{REWARDS}:{reward}", "--reward-num-workers", "1", "--reward-timeout", "60",  # a busy machine
-                       "--output-dir", str(tmp_path), "--eval-size", "4", *(["--log-rollouts"] * log_rollouts),
-                       *flags])
+                       "--output-dir", str(tmp_path), "--eval-size", "4", *flags])
     setup = RunSetup(args, TOKENIZER, model_spec(args, TOKENIZER), TrainerLayout(), GeneratorLayout(first_rank=1))
     control, rollouts = LocalChannel(), LocalChannel()
     generator = ScriptedGenerator(control, rollouts, stale_prompts, version_logprobs)
@@ -159,23 +164,21 @@ def test_stale_groups_are_discarded_with_their_reason_and_replaced(tmp_path):
     _finish(controller, generator)
     rollout = metrics["rollout"]
     assert rollout["discards"] == {"stale": 8} and rollout["staleness_histogram"] == {"0": 8, "2": 8}
-    rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    rows = _consumed_rows(tmp_path)
     assert {r["prompt_id"] for r in rows if r["outcome"].startswith("stale")} == set(generator.prompts[:2])
     assert {r["prompt_id"] for r in rows if r["outcome"] == "trained"} == set(generator.prompts[2:4])
     assert len(trainer.trained()[0]) == 8  # the batch was filled by the groups that replaced them
 
 
-def test_discards_are_counted_by_reason_in_the_metrics_without_the_rollout_log(tmp_path):
+def test_discards_are_counted_by_reason_in_the_metrics(tmp_path):
     controller, generator, _ = _controller(tmp_path, "--async-mode", "on", "--max-staleness", "1",
-                                           "--max-oversample", "2", stale_prompts=2, reward="reward_one",
-                                           log_rollouts=False)
+                                           "--max-oversample", "2", stale_prompts=2, reward="reward_one")
     for _ in range(3):
         controller.publish()
     metrics = controller.rl_step(1, 0.0)
     _finish(controller, generator)
     # 2 groups of stale samples, then 2 uniform groups dropped before the oversampling limit; counted per sample
     assert metrics["rollout"]["discards"] == {"stale": 8, "group rewards all equal": 8}
-    assert not (tmp_path / "rollouts.jsonl").exists()
 
 
 def test_groups_without_signal_are_replaced_up_to_the_oversampling_limit(tmp_path):
@@ -251,7 +254,7 @@ def _trained_lags(trainer) -> list[dict[int, int]]:
 
 
 def _trained_prompts_by_step(out_dir) -> list[list[str]]:
-    rows = [json.loads(line) for line in (out_dir / "rollouts.jsonl").read_text().splitlines()]
+    rows = _consumed_rows(out_dir)
     trained = [r for r in rows if r["outcome"] == "trained"]
     assert len({(r["prompt_id"], r["sample_index"]) for r in trained}) == len(trained)  # each sample once
     steps = sorted({r["step"] for r in trained})
@@ -269,7 +272,7 @@ def test_controlled_lag_trains_every_batch_exactly_k_versions_behind_after_a_ram
     assert _trained_lags(trainer) == [{e: 8} for e in expected]
     assert [m["rollout"]["staleness_histogram"] for m in metrics] == [{str(e): 8} for e in expected]
     assert [m["rollout"]["lag_max"] for m in metrics] == [m["rollout"]["lag_mean"] for m in metrics] == expected
-    rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    rows = _consumed_rows(tmp_path)
     assert [r["lag"] for r in rows] == [e for e in expected for _ in range(8)]  # the log says the lag at training
     # every prompt trained once, in the order dispatched; the next lag batches wait, the next step's prompts fly
     dispatched = list(controller.dispatched)

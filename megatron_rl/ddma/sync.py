@@ -26,6 +26,7 @@ from collections import defaultdict
 
 import torch
 
+from megatron_rl import failpoints
 from megatron_rl.ddma.plan import Piece, Plan
 from megatron_rl.ddma.transport import TorchDistTransport, Transfer, Transport
 from megatron_rl.models.fp8 import BLOCK, SCALE_SUFFIX, quantize_block_fp8, scale_shape
@@ -292,6 +293,7 @@ def publish(plan: Plan, rank: int, version: int, trainer_tensors: dict[str, torc
                     raise DDMAError(f"checksum mismatch in a bucket from rank {src} (round {k})")
             if receiver is not None:
                 receiver.finish_round()
+            failpoints.crash("publish", version)
         got = transport.bytes_received - recv0 - checksum_bytes
         if is_generator and got != plan.bytes_received(rank):
             raise DDMAError(f"rank {rank} received {got} bytes, the plan says {plan.bytes_received(rank)}")

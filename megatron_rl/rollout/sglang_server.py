@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import requests
 import torch
 
-from megatron_rl.launch import die_with_parent
+from megatron_rl.lifetime import die_with_parent
 from megatron_rl.models.spec import ModelSpec
 
 

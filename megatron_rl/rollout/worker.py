@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 import torch
 import torch.distributed as dist
 
+from megatron_rl import failpoints
 from megatron_rl.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
@@ -37,6 +38,7 @@ class GeneratorWorker:
         self.meta: dict[str, RequestMeta] = {}
         self.unfinished: Counter = Counter()  # group -> samples still generating
         self.held: dict[tuple, list] = defaultdict(list)  # group -> finished samples waiting for the rest
+        self.version = -1  # of the weights the engine holds
 
     def run(self) -> None:
         try:
@@ -79,6 +81,7 @@ class GeneratorWorker:
                         dtype=self.dtype, device=self.roles.device, bucket_bytes=self.args.ddma_bucket_mb * 2**20,
                         debug_checksums=self.args.ddma_debug_checksums)
                 self.engine.continue_generation()
+                self.version = payload
                 self.stats["sync_s"] += time.perf_counter() - start
             elif kind == "stop":
                 if self.roles.is_leader:
@@ -90,6 +93,7 @@ class GeneratorWorker:
     def _step(self) -> None:
         start = time.perf_counter()
         finished = self.engine.step()
+        failpoints.crash("generate", self.version)
         self.stats["busy_s"] += time.perf_counter() - start
         self.stats["engine_restarts"] = self.engine.restarts
         self.stats["rerun_requests"] = self.engine.rerun_requests

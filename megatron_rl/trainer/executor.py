@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl import checkpointing
+from megatron_rl import checkpointing, failpoints
 from megatron_rl.algorithms import AlgorithmConfig
 from megatron_rl.arguments import algorithm_config
 from megatron_rl.conversion import RL_FORMAT
@@ -65,6 +65,7 @@ class TrainerExecutor:
         self.plan = setup.plan()
         self.transport = make_transport(roles)
         self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
+        self.version = -1  # the last weight version published
         self.handlers: dict[str, Callable[[Any], Any]] = {
             "train": self._train, "sft": self._sft, "publish": self._publish, "save": self._save, "load": self._load,
             "snapshot_reference": self._snapshot_reference, "ref_logprobs": self._ref_logprobs,
@@ -123,10 +124,14 @@ class TrainerExecutor:
     def _train(self, batch):
         self.trainer.algo, self.trainer.scheduler = self.rl_algo, self.scheduler
         self.scheduler.step(increment=0)  # the scheduled lr again, after a warm-up step set its own
-        metrics = self.trainer.train_step(batch, before_update=self._finish_publish)
+        metrics = self.trainer.train_step(batch, before_update=self._before_rl_update)
         if self.args.log_param_checksum:
             metrics["param_checksum"] = self.param_checksum()
         return metrics
+
+    def _before_rl_update(self) -> None:
+        self._finish_publish()
+        failpoints.crash("train", self.version)  # after the forward and backward passes, before the update
 
     def _sft(self, payload):
         batch, lr = payload
@@ -150,6 +155,7 @@ class TrainerExecutor:
     def _publish(self, version: int) -> None:
         """Post this rank's DDMA sends of the current weights as `version`, without waiting for them."""
         params = {n: p.detach() for n, p in self.trainer.policy.module.named_parameters()}
+        self.version = version
         self._publishing = publish(self.plan, self.roles.rank, version, trainer_tensors=params,
                                    transport=self.transport, bucket_bytes=self.args.ddma_bucket_mb * 2**20,
                                    debug_checksums=self.args.ddma_debug_checksums, background=True)

@@ -1,0 +1,107 @@
+"""Every process a rank starts dies with it, however the rank dies (SIGKILL included).
+
+A rank starts processes it does not control: reward workers, an SGLang server, Megatron's checkpoint writer (a
+multiprocessing Manager server and forked writers), multiprocessing's resource tracker. When the rank is killed,
+nothing would stop them: they are re-parented to init and keep their memory, ports and files. Two mechanisms:
+
+- `die_with_parent`, for the processes this project starts itself: the kernel SIGKILLs the child when its parent
+  dies (Linux PR_SET_PDEATHSIG).
+- `reap_when_gone`, for everything else: the rank marks its environment with a token that every descendant
+  inherits, and starts a small watcher process that, once the rank is gone, kills every process carrying the
+  token. The watcher learns of the rank's death from the pipe the rank holds open (end of file) and, should a
+  forked child have inherited that pipe, from being re-parented.
+
+`processes_with_env` is how tests and the soak benchmark count what a run left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+OWNER_ENV = "MEGATRON_RL_PROCESS_OWNER"
+
+# The watcher: wait for the rank (its parent) to be gone, then kill its marked descendants. multiprocessing's
+# resource tracker is killed last, after a grace period: it exits by itself once the processes it tracks are gone,
+# and removes what they leaked (shared memory, semaphores) on the way.
+_WATCHER = r"""
+import os, select, signal, sys, time
+token, parent = sys.argv[1].encode(), os.getppid()
+while os.getppid() == parent:
+    if select.select([sys.stdin], [], [], 1.0)[0] and not os.read(sys.stdin.fileno(), 1024):
+        break
+def marked():
+    found = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if token in f.read().split(b"\0"):
+                        with open(f"/proc/{name}/cmdline", "rb") as f:
+                            found[int(name)] = b"resource_tracker" in f.read()
+            except OSError:
+                pass
+    return found
+deadline = time.monotonic() + 5.0
+while True:
+    found = marked()
+    victims = [p for p, tracker in found.items() if not tracker or time.monotonic() > deadline]
+    if not found:
+        break
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.1)
+"""
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies, however the parent dies (Linux
+    PR_SET_PDEATHSIG). torchrun starts each worker in a session of its own, so a SIGKILL of the launcher's
+    process group would otherwise leave the workers running; the same holds for a launched SGLang server."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
+
+
+_watcher: subprocess.Popen | None = None
+
+
+def reap_when_gone() -> None:
+    """Mark this process's environment (before it starts any child) and start the watcher that kills every
+    marked process once this one is gone. Idempotent; a no-op where there is no /proc to find them in."""
+    global _watcher
+    if _watcher is not None or not os.path.isdir("/proc"):
+        return
+    token = f"{os.getpid()}-{uuid.uuid4().hex}"
+    os.environ[OWNER_ENV] = token
+    _watcher = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, f"{OWNER_ENV}={token}"],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+    # The watcher's stdin stays open for as long as this process lives; it is never written to.
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """The ids of the live processes whose environment has `name=value` (descendants inherit it), this one
+    excepted; zombies (dead, waiting to be reaped by their parent) are not counted."""
+    marker, found = f"{name}={value}".encode(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:
+            continue
+        found.append(int(entry))
+    return found
