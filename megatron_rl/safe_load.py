@@ -41,7 +41,8 @@ FORCE_WEIGHTS_ONLY, FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TO
 
 def _index_classes() -> dict[str, set[str]]:
     """The globals a torch.distributed.checkpoint index may name: the dataclasses and enums of its metadata and
-    planner modules, its storage record, torch.Size, dtypes and layouts (by name), and OrderedDict."""
+    planner modules, its storage record, torch.Size, dtypes and layouts (by name), OrderedDict, and the path
+    classes of a checkpoint id (torch's own `dcp.save` records one)."""
     import torch.distributed.checkpoint.metadata as metadata
     import torch.distributed.checkpoint.planner as planner
 
@@ -52,6 +53,7 @@ def _index_classes() -> dict[str, set[str]]:
     allowed["torch.serialization"] = {"_get_layout"}  # looks a layout up by name among torch's
     allowed["torch"] = {"Size"} | {n for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
     allowed["collections"] = {"OrderedDict"}
+    allowed["pathlib"] = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
     return allowed
 
 
