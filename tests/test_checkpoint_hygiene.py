@@ -99,6 +99,21 @@ def test_loads_during_a_dist_checkpoint_load_are_weights_only(tmp_path, monkeypa
     assert safe_load.FORCE_WEIGHTS_ONLY not in os.environ
 
 
+def test_a_sharded_object_that_runs_code_is_refused(tmp_path):
+    """Through torch's own reader and planner (Megatron's planner inherits its `load_bytes`)."""
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "ran"
+    dcp.save({"w": torch.zeros(2), "obj": _RunsCode(marker)}, checkpoint_id=str(tmp_path / "ckpt"))
+    safe_load.check_index(str(tmp_path / "ckpt"), "--load")  # the index itself is torch's
+    with safe_load.weights_only_loads(), pytest.raises(BaseException) as refused:  # torch's CheckpointException
+        dcp.load({"w": torch.zeros(2), "obj": None}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert "Weights only load failed" in str(refused.value) + str(getattr(refused.value, "failures", ""))
+    assert not marker.exists()
+    dcp.load({"w": torch.zeros(2), "obj": None}, checkpoint_id=str(tmp_path / "ckpt"))  # not vacuous: it runs
+    assert marker.exists()
+
+
 def test_a_common_pt_that_runs_code_is_refused(tmp_path, monkeypatch):
     marker = tmp_path / "ran"
     monkeypatch.setenv(safe_load.FORCE_NO_WEIGHTS_ONLY, "1")  # would make Megatron's torch.load(path) unsafe
