@@ -63,19 +63,22 @@ def save_rl_checkpoint(directory: str, step: int, trainer, rl_state: dict, keep_
 
 def prune_checkpoints(directory: str, keep_last: int) -> list[int]:
     """--keep-last-n-checkpoints: keep the newest `keep_last` complete iterations up to the tracker's (which is
-    always kept), delete the older ones, oldest first, and the leftovers of crashed saves (`iter_N.partial`) and of
-    interrupted deletions (`iter_N.deleting`). Each iteration is renamed to `iter_N.deleting` (atomic) before its
-    files go, so a crash at any point leaves every `iter_NNNNNNN` complete. Iterations newer than the tracker's
-    (left by a run that resumed from an earlier one) are neither counted nor deleted: the run replaces them when
-    it saves those steps. Returns the deleted steps."""
+    always kept), delete the other iterations up to it, oldest first, and the leftovers of crashed saves
+    (`iter_N.partial`) and of interrupted deletions (`iter_N.deleting`). Complete: it has checksums.json, which a
+    save writes last, so an iteration damaged by hand, or of an older format, does not count as one of the N.
+    Each iteration is renamed to `iter_N.deleting` (atomic) before its files go, so a crash at any point leaves no
+    half-deleted `iter_NNNNNNN`. Iterations newer than the tracker's (left by a run that resumed from an earlier
+    one) are neither counted nor deleted: the run replaces them when it saves those steps. Returns the deleted
+    steps."""
     latest = latest_checkpoint_step(directory, "--save")
     for name in sorted(os.listdir(directory)):
         if name.startswith("iter_") and name.endswith((PARTIAL, DELETING)):
             shutil.rmtree(os.path.join(directory, name))
     saved = [s for s in saved_iterations(directory) if s <= latest]
-    if latest not in saved:
-        return []  # the tracker names no iteration: nothing is known to be complete, nothing is deleted
-    doomed = saved[:-keep_last]
+    complete = [s for s in saved if os.path.isfile(os.path.join(iteration_dir(directory, s), CHECKSUMS_FILE))]
+    if latest not in complete:
+        return []  # the tracker's iteration is not known to be complete: nothing is deleted
+    doomed = [s for s in saved if s not in complete[-keep_last:]]
     for step in doomed:
         path = iteration_dir(directory, step)
         os.replace(path, path + DELETING)
@@ -322,7 +325,7 @@ def load_rng(directory: str, rank: int) -> None:
         python_state = (python["version"], tuple(python["state"]), python["gauss_next"])
         numpy_state = ("MT19937", np.array(numpy["key"], dtype=np.uint32), numpy["pos"], numpy["has_gauss"],
                        numpy["cached_gaussian"])
-    except Exception as e:  # noqa: BLE001 - whatever the file holds, the error names it
+    except Exception as e:  # whatever the file holds, the error names it
         raise ValueError(f"--load: {path} is not an RNG state file of RL state format {RL_STATE_FORMAT} "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); refused") from None
     torch.set_rng_state(state["torch"])

@@ -242,6 +242,13 @@ def test_retention_keeps_the_newest_n_complete_iterations(tmp_path):
     assert checkpointing.saved_iterations(str(tmp_path)) == [12]
 
 
+def test_an_iteration_without_checksums_does_not_count_as_complete(tmp_path):
+    _save(tmp_path, [2, 4, 6], keep=None)
+    (tmp_path / "iter_0000004" / checksums.CHECKSUMS_FILE).unlink()  # damaged by hand, or of an older format
+    assert checkpointing.prune_checkpoints(str(tmp_path), 2) == [4]
+    assert checkpointing.saved_iterations(str(tmp_path)) == [2, 6]
+
+
 def test_without_the_flag_every_iteration_is_kept(tmp_path):
     _save(tmp_path, [1, 2, 3], keep=None)
     assert checkpointing.saved_iterations(str(tmp_path)) == [1, 2, 3]
