@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint, or an RL checkpoint directory (its latest iteration)")
     g.add_argument("--save", help="save checkpoints here")
     g.add_argument("--save-interval", type=int, default=0)
+    g.add_argument("--keep-last-n-checkpoints", type=int, metavar="N",
+                   help="after each complete save, delete the --save iterations older than the newest N (the one "
+                        "the tracker names is always kept; also removes iter_N.partial left by crashed saves); "
+                        "default: keep all. HF exports (--save-hf, --save-hf-interval) are outputs and are never "
+                        "deleted: bound their number with --save-hf-interval")
     g.add_argument("--save-hf", metavar="DIR",
                    help="write the policy as HF checkpoints DIR/iter_NNNNNNN/ (config, safetensors, tokenizer, "
                         "generation config) at the end of the run and every --save-hf-interval steps "
@@ -418,7 +423,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                  "--async-alternate-steps", "--recompute-num-layers", "--lr-wsd-decay-iters",
                  "--max-position-embeddings", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
                  "--rollout-expert-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
-                 "--kv-channels"):
+                 "--kv-channels", "--keep-last-n-checkpoints"):
         positive(flag)
     if args.use_rollout_routing_replay and args.recompute_granularity == "full" and \
             args.pipeline_model_parallel_size > 1:
@@ -478,6 +483,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--eval-n-samples must be >= 1, --eval-interval >= 0 and --eval-temperature >= 0")
     if args.save_interval and not args.save:
         parser.error("--save-interval needs --save")
+    if args.keep_last_n_checkpoints is not None and not args.save:
+        parser.error("--keep-last-n-checkpoints needs --save (it deletes old iterations of that directory)")
     if args.load_hf and args.load_megatron:
         parser.error("--load-hf and --load-megatron both give the initial weights: pass one")
     if args.save_hf_interval < 0:

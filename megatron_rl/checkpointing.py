@@ -1,10 +1,16 @@
 """The RL checkpoint directory (Megatron's layout): `iter_NNNNNNN/` per saved step, holding the trainer's
-dist checkpoint, per-rank RNG states (`rng/rankNNNNN.pt`) and the controller's `rl_state.json`, and the tracker
-`latest_checkpointed_iteration.txt`, which moves last, so a crash at any point of a save leaves the previous
-checkpoint the latest. Each iteration also describes its model (`megatron_rl.json`, the tokenizer and
-generation config, written by the trainer's "save"), so that it can be exported to HF or started from as a
-Megatron checkpoint of weights. Also: the start-up checks of a `--load` (resume) and a `--load-megatron` (initial
-weights) directory, and cutting the run's JSONL logs back to the resumed step."""
+dist checkpoint, per-rank RNG states (`rng/rankNNNNN.pt`, tensors and plain values only: read with
+`torch.load(weights_only=True)`), the controller's `rl_state.json` and `checksums.json` (every other file's sha256,
+written last), and the tracker `latest_checkpointed_iteration.txt`. A save is written to `iter_N.partial`, renamed
+when complete, and only then named by the tracker, so a crash at any point of a save leaves the previous
+checkpoint the latest. Each iteration also describes its model (`megatron_rl.json`, the tokenizer and generation
+config, written by the trainer's "save"), so that it can be exported to HF or started from as a Megatron checkpoint
+of weights. Also: retention (--keep-last-n-checkpoints), the start-up checks of a `--load` (resume) and a
+`--load-megatron` (initial weights) directory, and cutting the run's JSONL logs back to the resumed step.
+
+No file of a checkpoint is read in a way that can run code from it: JSON, weights-only `torch.load`, and
+Megatron's distributed checkpoint through `safe_load` (which says what is still unpickled, and how it is checked
+first)."""
 
 from __future__ import annotations
 
@@ -16,36 +22,77 @@ import shutil
 import numpy as np
 import torch
 
-from megatron_rl import failpoints
+from megatron_rl import failpoints, safe_load
+from megatron_rl.checksums import CHECKSUMS_FILE, verify_checksums, write_checksums
 from megatron_rl.conversion import DIST_CHECKPOINTS, META_FILE, MegatronCheckpoint, read_meta
 from megatron_rl.models.spec import ModelSpec
 
 TRACKER_FILE, RL_STATE_FILE = "latest_checkpointed_iteration.txt", "rl_state.json"
 # 2: the controller's whole state in rl_state.json, rollouts as {output, meta, reward}, the trainer's layer spec.
-RL_STATE_FORMAT = 2
+# 3: RNG files of tensors and plain values (weights-only loadable, no numpy objects); checksums.json.
+RL_STATE_FORMAT = 3
+PARTIAL, DELETING = ".partial", ".deleting"  # suffixes of an iteration being written, and being deleted
 
 
-def save_rl_checkpoint(directory: str, step: int, trainer, rl_state: dict) -> None:
+def save_rl_checkpoint(directory: str, step: int, trainer, rl_state: dict, keep_last: int | None = None) -> None:
     """The whole RL state of `step`: the trainer's (model, optimizer, schedule, RNG; every trainer rank writes
-    its part through `trainer.command("save")`) and the controller's `rl_state` (JSON). Written to
-    iter_N.partial, renamed when complete, and only then named by the tracker."""
+    its part through `trainer.command("save")`) and the controller's `rl_state` (JSON), then the checksums of
+    every file. Written to iter_N.partial, renamed when complete, and only then named by the tracker; then
+    `keep_last` (--keep-last-n-checkpoints) deletes older iterations (`prune_checkpoints`)."""
     final = iteration_dir(directory, step)
-    partial = final + ".partial"
+    partial = final + PARTIAL
     shutil.rmtree(partial, ignore_errors=True)
     trainer.command("save", partial)
     write_durably(os.path.join(partial, RL_STATE_FILE),
                   json.dumps({"format": RL_STATE_FORMAT, "step": step, **rl_state}))
+    summary = write_checksums(partial, f"checkpoint step {step}: checksums")
+    if summary["seconds"] >= 10:
+        print(f"[megatron-rl] checkpoint step {step}: checksums of {summary['files']} files "
+              f"({summary['bytes'] / 2**30:.1f} GiB) in {summary['seconds']:.0f} s", flush=True)
     failpoints.crash("checkpoint-partial", step)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     publish_tracker(directory, step)
     failpoints.crash("checkpoint-saved", step)
+    if keep_last is not None:
+        deleted = prune_checkpoints(directory, keep_last)
+        if deleted:
+            print(f"[megatron-rl] --keep-last-n-checkpoints {keep_last}: deleted "
+                  f"{', '.join(os.path.basename(iteration_dir(directory, s)) for s in deleted)}", flush=True)
+
+
+def prune_checkpoints(directory: str, keep_last: int) -> list[int]:
+    """--keep-last-n-checkpoints: keep the newest `keep_last` complete iterations up to the tracker's (which is
+    always kept), delete the other iterations up to it, oldest first, and the leftovers of crashed saves
+    (`iter_N.partial`) and of interrupted deletions (`iter_N.deleting`). Complete: it has checksums.json, which a
+    save writes last, so an iteration damaged by hand, or of an older format, does not count as one of the N.
+    Each iteration is renamed to `iter_N.deleting` (atomic) before its files go, so a crash at any point leaves no
+    half-deleted `iter_NNNNNNN`. Iterations newer than the tracker's (left by a run that resumed from an earlier
+    one) are neither counted nor deleted: the run replaces them when it saves those steps. Returns the deleted
+    steps."""
+    latest = latest_checkpoint_step(directory, "--save")
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("iter_") and name.endswith((PARTIAL, DELETING)):
+            shutil.rmtree(os.path.join(directory, name))
+    saved = [s for s in saved_iterations(directory) if s <= latest]
+    complete = [s for s in saved if os.path.isfile(os.path.join(iteration_dir(directory, s), CHECKSUMS_FILE))]
+    if latest not in complete:
+        return []  # the tracker's iteration is not known to be complete: nothing is deleted
+    doomed = [s for s in saved if s not in complete[-keep_last:]]
+    for step in doomed:
+        path = iteration_dir(directory, step)
+        os.replace(path, path + DELETING)
+        failpoints.crash("checkpoint-retention", step)
+        shutil.rmtree(path + DELETING)
+    return doomed
 
 
 def load_rl_checkpoint(directory: str, trainer) -> dict:
-    """Restore the trainer's state of the latest checkpoint (checked at start-up) and return the controller's."""
+    """Restore the trainer's state of the latest checkpoint (checked at start-up: its checksums are verified
+    again here, which costs nothing when this process verified the same files then) and return the controller's."""
     step = latest_checkpoint_step(directory)
     state = read_rl_state(directory, step)
+    verify_files(iteration_dir(directory, step), f"--load {directory!r}")
     trainer.command("load", iteration_dir(directory, step))
     return state
 
@@ -72,7 +119,8 @@ def latest_checkpoint_step(directory: str, flag: str = "--load") -> int:
 
 
 def saved_iterations(directory: str) -> list[int]:
-    """The steps of the complete iterations in an RL checkpoint directory (a `.partial` one is not complete)."""
+    """The steps of the complete iterations in an RL checkpoint directory: `iter_NNNNNNN` (an `iter_N.partial` one
+    is being written, an `iter_N.deleting` one being deleted; neither is complete)."""
     names = os.listdir(directory) if os.path.isdir(directory) else []
     return sorted(int(n[5:]) for n in names if n.startswith("iter_") and n[5:].isdigit())
 
@@ -124,18 +172,35 @@ def read_rl_state(directory: str, step: int) -> dict:
     if state.get("format") != RL_STATE_FORMAT:
         raise ValueError(f"--load {directory!r}: {path} has RL state format {state.get('format', 1)}, this version "
                          f"reads format {RL_STATE_FORMAT} (resume it with the megatron-rl version that wrote it, or "
-                         "start a new run from its weights)")
+                         "start a new run from its weights with --load-megatron)")
     return state
+
+
+def is_first_process() -> bool:
+    """Global rank 0 of a launch (or a process outside one): the one that hashes a checkpoint at start-up."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def verify_files(path: str, flag: str) -> None:
+    """An iteration's files against its checksums.json (`checksums.verify_checksums`; errors start with `flag`):
+    all their bytes on the first process, names and sizes on the others; a line says what it cost when it took a
+    while."""
+    summary = verify_checksums(path, flag, full=is_first_process())
+    if summary["hashed"] and summary["seconds"] >= 1:
+        print(f"[megatron-rl] {flag}: checksums of {summary['files']} files ({summary['bytes'] / 2**30:.1f} GiB) "
+              f"verified in {summary['seconds']:.1f} s", flush=True)
 
 
 def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, needs_reference: bool = False,
                      expert_model_parallel_size: int = 1, controlled_lag: int | None = None) -> int:
     """Everything that can be checked before any work: the tracker, the step's directory, the trainer's dist
-    checkpoint metadata, the controller state, that the saved model and layer spec (whose parameter names
-    the trainer's checkpoint uses) are this run's, that its expert parallelism is this run's (Megatron-Core gives
-    expert parameters an optimizer of their own when EP > 1, and its state does not load into another EP), that
-    its --controlled-lag is this run's (its held batches were collected for that lag), and (`needs_reference`: a
-    KL penalty to the default reference) that the checkpoint saved the reference model. Returns the step."""
+    checkpoint metadata, the controller state (JSON) and its format, every file against its checksum (before
+    anything but JSON is read), the dist checkpoint's index (`safe_load.check_index`), that the saved model and
+    layer spec (whose parameter names the trainer's checkpoint uses) are this run's, that its expert parallelism
+    is this run's (Megatron-Core gives expert parameters an optimizer of their own when EP > 1, and its state does
+    not load into another EP), that its --controlled-lag is this run's (its held batches were collected for that
+    lag), and (`needs_reference`: a KL penalty to the default reference) that the checkpoint saved the reference
+    model. Returns the step."""
     step = latest_checkpoint_step(directory)
     path = iteration_dir(directory, step)
     if not os.path.isdir(path):
@@ -144,6 +209,8 @@ def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, nee
         raise ValueError(f"--load {directory!r}: {os.path.basename(path)} is not a complete trainer checkpoint "
                          "(no metadata.json)")
     state = read_rl_state(directory, step)
+    verify_files(path, f"--load {directory!r}")
+    safe_load.check_index(path, f"--load {directory!r}")
     if state.get("transformer_impl") != transformer_impl:
         raise ValueError(f"--load {directory!r}: the checkpoint was saved with --transformer-impl "
                          f"{state.get('transformer_impl')}, this run uses {transformer_impl}")
@@ -202,6 +269,9 @@ def check_initial_weights(directory: str, spec: ModelSpec, transformer_impl: str
         if not os.path.isfile(os.path.join(dist_dir, "metadata.json")):
             raise ValueError(f"{flag} {directory!r}: {dist_dir} is not a complete distributed checkpoint "
                              "(no metadata.json)")
+        if os.path.isfile(os.path.join(path, CHECKSUMS_FILE)):  # an RL checkpoint's iteration
+            verify_files(path, f"{flag} {directory!r}")
+        safe_load.check_index(dist_dir, f"{flag} {directory!r}")
     else:
         try:
             MegatronCheckpoint(path, flag)  # reads each rank file's header: a missing or foreign file fails here
@@ -223,25 +293,46 @@ def publish_tracker(directory: str, step: int) -> None:
     write_durably(os.path.join(directory, TRACKER_FILE), str(step))
 
 
+def rng_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, "rng", f"rank{rank:05d}.pt")
+
+
 def save_rng(directory: str, rank: int) -> None:
-    os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """This rank's RNG states (torch, Python's random, numpy's global one, and the device's), as tensors and
+    plain Python values only, so that `load_rng` reads them with `torch.load(weights_only=True)`."""
+    version, mt, gauss_next = random.getstate()
+    _, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "state": list(mt), "gauss_next": gauss_next},
+             "numpy": {"key": [int(k) for k in key], "pos": int(pos), "has_gauss": int(has_gauss),
+                       "cached_gaussian": float(cached_gaussian)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()  # this rank's device (Megatron's tracker forks from it)
-    torch.save(state, os.path.join(directory, "rng", f"rank{rank:05d}.pt"))
+    os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
+    torch.save(state, rng_file(directory, rank))
 
 
 def load_rng(directory: str, rank: int) -> None:
-    """Restore this rank's RNG states; a rank the checkpoint has none for (more ranks than were saved) keeps its
-    own seeded state."""
-    path = os.path.join(directory, "rng", f"rank{rank:05d}.pt")
-    if os.path.isfile(path):
-        state = torch.load(path, weights_only=False)
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+    """Restore this rank's RNG states, read weights-only (a file that holds anything but tensors and plain values
+    is refused without running it); a rank the checkpoint has none for (more ranks than were saved) keeps its own
+    seeded state."""
+    path = rng_file(directory, rank)
+    if not os.path.isfile(path):
+        return
+    try:
+        state = torch.load(path, weights_only=True)
+        python, numpy = state["python"], state["numpy"]
+        python_state = (python["version"], tuple(python["state"]), python["gauss_next"])
+        numpy_state = ("MT19937", np.array(numpy["key"], dtype=np.uint32), numpy["pos"], numpy["has_gauss"],
+                       numpy["cached_gaussian"])
+    except Exception as e:  # whatever the file holds, the error names it
+        raise ValueError(f"--load: {path} is not an RNG state file of RL state format {RL_STATE_FORMAT} "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); refused") from None
+    torch.set_rng_state(state["torch"])
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def truncate_logs_to_checkpoint(load: str, output_dir: str) -> None:

@@ -391,7 +391,8 @@ class Controller:
             if args.save and args.save_interval and step % args.save_interval == 0:
                 checkpointing.save_rl_checkpoint(args.save, step, self.trainer,
                                                  {"model": self.spec.weight_fields(), **self.state_dict(),
-                                                  "transformer_impl": self.layout.transformer_impl})
+                                                  "transformer_impl": self.layout.transformer_impl},
+                                                 keep_last=args.keep_last_n_checkpoints)
             if self.hf_export_due(step):
                 self.trainer.command("save_hf", checkpointing.iteration_dir(self.hf_export_dir(), step))
             progress.update(step, console_fields(metrics))

@@ -331,11 +331,12 @@ def _load_torch_dist_rank(spec, layout, directory, key, out_dir, dtype):
 
 def load_dist_model(model: torch.nn.Module, directory: str, key: str | None = None) -> None:
     """Collective over Megatron's ranks: this rank's shard of `model` from a Megatron-Core distributed checkpoint
-    saved under any TP/PP layout (the model's state under `key`, or at the top level); only the model is read."""
-    from megatron.core import dist_checkpointing
+    saved under any TP/PP layout (the model's state under `key`, or at the top level); only the model is read,
+    through `safe_load` (weights-only, the index checked first)."""
+    from megatron_rl.safe_load import dist_load
 
     sharded = model.sharded_state_dict()
-    state = dist_checkpointing.load({key: sharded} if key else sharded, directory)
+    state = dist_load({key: sharded} if key else sharded, directory, flag="Megatron weights")
     model.load_state_dict(state[key] if key else state, strict=False)
 
 

@@ -86,7 +86,8 @@ class ScriptedGenerator(threading.Thread):
 
 class RecordingTrainer:
     """Takes the trainer executor's commands and records them; every update succeeds but those of the "train"
-    commands numbered in `skipped` (from 1: a NaN/Inf gradient). A save writes only the checkpoint's directory."""
+    commands numbered in `skipped` (from 1: a NaN/Inf gradient). A save writes only the checkpoint's directory and
+    the dist checkpoint's metadata.json."""
 
     def __init__(self, skipped=()):
         self.commands, self.skipped = [], set(skipped)
@@ -98,6 +99,8 @@ class RecordingTrainer:
             return {"update_successful": successful, "tokens_per_s": 1.0, "loss": 0.0}
         if name == "save":
             os.makedirs(payload)
+            with open(os.path.join(payload, "metadata.json"), "w") as f:
+                f.write("{}")
         return None
 
     def trained(self):
@@ -305,7 +308,6 @@ def test_a_resume_keeps_the_held_batches_and_the_lag(tmp_path):
     report = json.loads((tmp_path / "eval.json").read_text())
     assert (report["controlled_lag"], report["prompts_held_at_end"]) == (3, 6)
     # a resume with another lag is refused before any work
-    (ckpt / "iter_0000006" / "metadata.json").write_text("{}")
     assert check_checkpoint(str(ckpt), second.spec, second.layout.transformer_impl, controlled_lag=3) == 6
     for lag, saying in ((1, "this run has --controlled-lag 1"), (None, "this run has no --controlled-lag")):
         with pytest.raises(ValueError, match=f"saved with --controlled-lag 3, {saying}; resume with the saved"):

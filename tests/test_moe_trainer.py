@@ -295,6 +295,7 @@ def test_a_resume_at_another_ep_is_refused_at_start(tmp_path):
     import json
 
     from megatron_rl import checkpointing, conversion
+    from megatron_rl.checksums import write_checksums
 
     spec = SPECS[TRAIN]
     step = tmp_path / "iter_0000001"
@@ -306,6 +307,7 @@ def test_a_resume_at_another_ep_is_refused_at_start(tmp_path):
         "model": spec.weight_fields(), "transformer_impl": "local"}))
     conversion.write_meta(str(step), conversion.RL_FORMAT, spec.to_hf_config(), torch.float32,
                           _layout(expert_model_parallel_size=2), [])
+    write_checksums(str(step), "test")
     assert checkpointing.check_checkpoint(str(tmp_path), spec, "local", expert_model_parallel_size=2) == 1
     with pytest.raises(ValueError, match=r"saved with --expert-model-parallel-size 2, this run uses 1"):
         checkpointing.check_checkpoint(str(tmp_path), spec, "local", expert_model_parallel_size=1)

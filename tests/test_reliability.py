@@ -1,7 +1,8 @@
 """Reliability: a run killed with SIGKILL (right after a checkpoint, and in the middle of writing one: exact
 points, by the MEGATRON_RL_FAILPOINT fault injection) resumes exactly, through the user's interface
-(examples/run_tiny_aipo.sh with --save/--load); bad input of every kind (dataset lines, configs, checkpoint
-directories) stops the run at start with an error naming it."""
+(examples/run_tiny_aipo.sh with --save/--load, keeping the last 2 checkpoints); bad input of every kind (dataset
+lines, configs, checkpoint directories: damaged, changed or added files, a pickle that would run code) stops the run
+at start with an error naming it. tests/test_checkpoint_hygiene.py tests the same mechanisms without a run."""
 
 import json
 import os
@@ -46,7 +47,8 @@ def crashed_and_resumed(tmp_path_factory):
     base = tmp_path_factory.mktemp("crash")
     out, ckpt = base / "out", base / "ckpt"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
-    save = ("--save", str(ckpt), "--save-interval", "2", "--save-hf-interval", "4")  # HF export: out/hf/iter_N
+    save = ("--save", str(ckpt), "--save-interval", "2", "--save-hf-interval", "4",  # HF export: out/hf/iter_N
+            "--keep-last-n-checkpoints", "2")
     _crash(out, "checkpoint-saved:4", *save)  # killed right after the step-4 checkpoint became the latest
     assert tracker.read_text() == "4"
     state_at_4 = json.loads((ckpt / "iter_0000004" / "rl_state.json").read_text())
@@ -54,6 +56,9 @@ def crashed_and_resumed(tmp_path_factory):
     _crash(out, "checkpoint-partial:6", *save, "--load", str(ckpt))
     assert (ckpt / "iter_0000006.partial" / "rl_state.json").exists() and not (ckpt / "iter_0000006").exists()
     tracker_after_mid_save_kill = tracker.read_text()
+    for leftover in ("iter_0000003.partial", "iter_0000001.deleting"):  # of an older crashed save, and deletion
+        (ckpt / leftover).mkdir()
+        (ckpt / leftover / "common.pt").write_bytes(b"x")
     run, log = _start(out, *save, "--load", str(ckpt))
     assert run.wait(600) == 0, open(log).read()[-3000:]
     return out, state_at_4, tracker_after_mid_save_kill, open(log).read()
@@ -63,6 +68,14 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint_latest(crashed_and_resum
     _, _, tracker, log = crashed_and_resumed
     assert tracker == "4"
     assert "resumed at step 4" in log
+
+
+def test_only_the_last_two_checkpoints_are_kept(crashed_and_resumed):
+    out, _, _, log = crashed_and_resumed
+    assert sorted(os.listdir(out.parent / "ckpt")) == ["iter_0000006", "iter_0000008",
+                                                       "latest_checkpointed_iteration.txt"]
+    assert "--keep-last-n-checkpoints 2: deleted iter_0000002" in log
+    assert "--keep-last-n-checkpoints 2: deleted iter_0000004" in log
 
 
 def test_steps_versions_and_data_continue_across_the_crashes(crashed_and_resumed):
@@ -144,7 +157,7 @@ def test_malformed_configs_are_named(tmp_path, capsys, content, message):
 def test_the_rl_checkpoint_exports_to_hf_as_the_run_exported_it(crashed_and_resumed, tmp_path):
     """tools/convert_megatron_to_hf.py on the run's RL checkpoint: its latest iteration (the trainer's distributed
     checkpoint, read by TP x PP processes) equals bit for bit the HF export the run streamed from its trainer at
-    that step (--save-hf-interval); --iteration 4 is an earlier policy. Both load with `transformers`."""
+    that step (--save-hf-interval); --iteration 6 is an earlier policy. Both load with `transformers`."""
     import sys
 
     import torch
@@ -153,7 +166,7 @@ def test_the_rl_checkpoint_exports_to_hf_as_the_run_exported_it(crashed_and_resu
 
     out = crashed_and_resumed[0]
     exports = {}
-    for name, extra in (("latest", []), ("iter4", ["--iteration", "4"])):
+    for name, extra in (("latest", []), ("iter6", ["--iteration", "6"])):
         r = subprocess.run([sys.executable, "tools/convert_megatron_to_hf.py", "--load", str(out.parent / "ckpt"),
                             "--save", str(tmp_path / name), "--no-progress", *extra],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -162,7 +175,7 @@ def test_the_rl_checkpoint_exports_to_hf_as_the_run_exported_it(crashed_and_resu
     streamed = load_file(out / "hf" / "iter_0000008" / "model.safetensors")
     assert exports["latest"].keys() == streamed.keys()
     assert all(torch.equal(exports["latest"][n], streamed[n]) for n in streamed)
-    assert any(not torch.equal(exports["iter4"][n], streamed[n]) for n in streamed)
+    assert any(not torch.equal(exports["iter6"][n], streamed[n]) for n in streamed)
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "latest")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "latest")
     assert tokenizer.decode(tokenizer.encode("12+3=15", add_special_tokens=False)) == "12+3=15"
@@ -175,8 +188,11 @@ def checkpoint_copy(crashed_and_resumed, tmp_path):
     out, _, _, _ = crashed_and_resumed
     copy = tmp_path / "ckpt"
     shutil.copytree(out.parent / "ckpt", copy)
-    (copy / "latest_checkpointed_iteration.txt").write_text("2")
+    (copy / "latest_checkpointed_iteration.txt").write_text("6")
     return copy
+
+
+ITER = "iter_0000006"  # the iteration checkpoint_copy's tracker names
 
 
 DRY_RUN = ("--model", "tiny-arith", "--seq-length", "32", "--dry-run", "--world-size", "2",
@@ -192,10 +208,17 @@ def test_an_intact_checkpoint_passes_the_start_checks(checkpoint_copy, capsys):
     (lambda d: (d / "latest_checkpointed_iteration.txt").unlink(), "no latest_checkpointed_iteration.txt"),
     (lambda d: (d / "latest_checkpointed_iteration.txt").write_text("soon"), "holds 'soon', not a step number"),
     (lambda d: (d / "latest_checkpointed_iteration.txt").write_text("9"), "iter_0000009"),
-    (lambda d: (d / "iter_0000002" / "rl_state.json").write_text("{trunc"), "cannot read .*rl_state.json"),
-    (lambda d: (d / "iter_0000002" / "metadata.json").unlink(), "iter_0000002 is not a complete trainer checkpoint"),
+    (lambda d: (d / ITER / "rl_state.json").write_text("{trunc"), "cannot read .*rl_state.json"),
+    (lambda d: (d / ITER / "metadata.json").unlink(), f"{ITER} is not a complete trainer checkpoint"),
     (lambda d: _edit_state(d, model={"hidden_size": 256}), "saved model has hidden_size 256, this run's is 128"),
-    (lambda d: _drop_state_key(d, "format"), r"has RL state format 1, this version reads format 2"),
+    (lambda d: _drop_state_key(d, "format"), r"has RL state format 1, this version reads format 3"),
+    (lambda d: _old_format(d), r"has RL state format 2, this version reads format 3 .*--load-megatron"),
+    (lambda d: _flip_byte(d / ITER / "__0_0.distcp"), rf"error: --load '.*': .*/{ITER}/__0_0\.distcp does not match "
+                                                      "its checksum"),
+    (lambda d: _flip_byte(d / ITER / "common.pt", 100), rf"{ITER}/common\.pt does not match its checksum"),
+    (lambda d: (d / ITER / "common.pt").unlink(), rf"{ITER}/common\.pt is missing"),
+    (lambda d: (d / ITER / "rng" / "rank00001.pt").write_bytes(b"x"), r"rank00001\.pt is not listed in checksums"),
+    (lambda d: (d / ITER / "checksums.json").unlink(), f"{ITER} has no checksums.json"),
 ])
 def test_damaged_checkpoints_are_named(checkpoint_copy, capsys, damage, message):
     import re
@@ -211,18 +234,78 @@ def test_a_checkpoint_of_another_layer_spec_is_named(checkpoint_copy, capsys):
 
 
 def _drop_state_key(directory, key):
-    path = directory / "iter_0000002" / "rl_state.json"
+    path = directory / ITER / "rl_state.json"
     state = json.loads(path.read_text())
     del state[key]
     path.write_text(json.dumps(state))
 
 
+def _old_format(directory):
+    """What a checkpoint of format 2 looks like to this version: no checksums.json."""
+    path = directory / ITER / "rl_state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "format": 2}))
+    (directory / ITER / "checksums.json").unlink()
+
+
 def _edit_state(directory, **changes):
-    path = directory / "iter_0000002" / "rl_state.json"
+    """Change the RL state and its checksum (a consistent checkpoint of another model)."""
+    from megatron_rl.checksums import write_checksums
+
+    path = directory / ITER / "rl_state.json"
     state = json.loads(path.read_text())
     for key, value in changes.items():
         state[key].update(value)
     path.write_text(json.dumps(state))
+    write_checksums(str(directory / ITER), "test")
+
+
+def _flip_byte(path, offset=-100):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_pickle_that_runs_code_as_the_rng_file_is_refused_without_running(checkpoint_copy, capsys, tmp_path):
+    """A checkpoint whose RNG file was replaced by a pickle that writes a file when unpickled: the start-up check
+    names it; with checksums.json rewritten to match, the trainer's load refuses it without running it."""
+    import torch
+
+    from megatron_rl import checkpointing
+    from megatron_rl.checksums import write_checksums
+
+    class RunsCode:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "ran"), "w"))
+
+    iteration = checkpoint_copy / ITER
+    torch.save({"torch": RunsCode()}, iteration / "rng" / "rank00000.pt")
+    code, err = _train_cli(capsys, *DRY_RUN, "--load", str(checkpoint_copy))
+    assert code == 2 and f"{ITER}/rng/rank00000.pt has " in err and "changed after the save" in err, err
+    write_checksums(str(iteration), "test")
+    with pytest.raises(ValueError, match="rank00000.pt is not an RNG state file"):
+        checkpointing.load_rng(str(iteration), 0)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_crash_in_the_middle_of_retention_leaves_a_loadable_checkpoint(checkpoint_copy, capsys, monkeypatch):
+    """--keep-last-n-checkpoints 1 killed while it deletes iter_0000006 (renamed first, some files gone): the
+    tracker's iteration passes every start-up check, and the half-deleted one is not listed as saved."""
+    from megatron_rl import checkpointing
+
+    (checkpoint_copy / "latest_checkpointed_iteration.txt").write_text("8")
+
+    def crash(name, step):
+        if name == "checkpoint-retention":
+            for f in ("common.pt", "checksums.json"):
+                os.unlink(checkpoint_copy / f"{ITER}.deleting" / f)
+            raise KeyboardInterrupt  # stands for the SIGKILL of the failpoint
+
+    monkeypatch.setattr(checkpointing.failpoints, "crash", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointing.prune_checkpoints(str(checkpoint_copy), 1)
+    assert checkpointing.saved_iterations(str(checkpoint_copy)) == [8]
+    code, err = _train_cli(capsys, *DRY_RUN, "--load", str(checkpoint_copy))
+    assert code == 0, err
 
 
 def test_randomly_damaged_dataset_files_fail_cleanly_or_load(tmp_path):

@@ -2,7 +2,7 @@
 of a KL penalty) with Megatron-Core's `dist_checkpointing`: saved under one TP/PP layout, loadable under another.
 
 The optimizer state is saved "fully_reshardable": on CPU the default sharding type fails, and
-`dp_reshardable` resumed with a wrong loss.
+`dp_reshardable` resumed with a wrong loss. Loads go through `safe_load` (weights-only, the index checked first).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def load_trainer_checkpoint(policy: Policy, directory: str, scheduler=None,
                             reference: torch.nn.Module | None = None) -> dict:
     """Collective: load model, optimizer and scheduler state saved under any TP/PP layout (and, when `reference` is
     given, the reference model's weights into it); return `extra`."""
-    from megatron.core import dist_checkpointing
+    from megatron_rl.safe_load import dist_load
 
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--load {directory!r}: no checkpoint directory")
@@ -73,7 +73,7 @@ def load_trainer_checkpoint(policy: Policy, directory: str, scheduler=None,
         check_has_reference(directory)
     state = _sharded_state(policy, scheduler, is_loading=True, reference=reference)
     state["extra"] = {}
-    loaded = dist_checkpointing.load(state, directory)
+    loaded = dist_load(state, directory)
     policy.module.load_state_dict(loaded["model"])
     policy.optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded:
@@ -86,9 +86,9 @@ def load_trainer_checkpoint(policy: Policy, directory: str, scheduler=None,
 
 def check_has_reference(directory: str) -> None:
     """A run whose reference is the policy RL started from can resume only from a checkpoint that saved it."""
-    from megatron.core import dist_checkpointing
+    from megatron_rl.safe_load import load_common
 
-    if not dist_checkpointing.load_common_state_dict(directory).get("has_reference"):
+    if not load_common(directory).get("has_reference"):
         raise ValueError(f"--load: checkpoint {directory!r} holds no reference model (it was saved without "
                          "--kl-coef), and the default reference, the policy as RL began, cannot be restored: pass "
                          "--ref-load, or resume with --kl-coef 0")
