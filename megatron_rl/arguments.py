@@ -1,6 +1,7 @@
 """Megatron-style command line: Megatron-LM's flag names and meanings where a Megatron flag exists, grouped
 like Megatron's, plus the RL groups (rollout, algorithm, reward, data, DDMA). Every SGLang server flag passes
-through as --sglang-<flag> (collected into `args.sglang`; the run setup checks them: rollout/sglang_flags.py).
+through as --sglang-<flag> (collected into `args.sglang`; the run setup checks them: rollout/sglang_flags.py),
+except --sglang-api-key, a run flag: the key is both given to the servers a run launches and sent by the client.
 The choices of --loss, --advantage-estimator, --loss-aggregation and --rollout-backend are the names in their
 registries (--reward-fn: a registered name, checked by the run setup, like --custom-rm-path). Validation at
 start names flags and values."""
@@ -17,6 +18,43 @@ from megatron_rl.models.layout import MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
 from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rollout.backends import ENGINE_BACKENDS
+from megatron_rl.rollout.sglang_server import API_KEY_ENV, REDACTED  # API_KEY_ENV: --sglang-api-key's default
+
+
+class Secret:
+    """A credential (--sglang-api-key): `value` holds it; repr and str show "<redacted>". It is not a str, so the run's
+    logged config (`logging.run_config`, scalars only) leaves it out, and printing `args` does not show it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: str):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return REDACTED
+
+    __str__ = __repr__
+
+
+def api_key(text: str) -> Secret:
+    """argparse type of --sglang-api-key. The key goes into an `Authorization: Bearer <key>` header, so it must be
+    printable ASCII without spaces. Errors never repeat the value (argparse would for a ValueError)."""
+    if not text or not text.isascii() or not text.isprintable() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError("the key must be non-empty printable ASCII without spaces (it is sent as "
+                                         "an HTTP bearer token)")
+    return Secret(text)
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line as it may be logged: the value of --sglang-api-key (`--sglang-api-key KEY` or
+    `--sglang-api-key=KEY`) replaced by "<redacted>"."""
+    out = list(argv)
+    for i, word in enumerate(out):
+        if word == "--sglang-api-key" and i + 1 < len(out):
+            out[i + 1] = REDACTED
+        elif word.startswith("--sglang-api-key="):
+            out[i] = "--sglang-api-key=" + REDACTED
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-server-urls", nargs="+", metavar="URL",
                    help="with --rollout-backend sglang: attach to these running servers (one per replica, "
                         "started with --skip-tokenizer-init and the run's model) instead of launching them")
+    g.add_argument("--sglang-api-key", type=api_key, metavar="KEY",
+                   help=f"with --rollout-backend sglang: the servers' API key (default: env {API_KEY_ENV}, which keeps "
+                        "it off the command line). Launched servers get it as SGLang's --api-key; every request "
+                        "(generation, pauses, weight updates) sends it as 'Authorization: Bearer KEY'; an attached "
+                        "server that refuses it stops the run at start. megatron-rl never logs it")
     g.add_argument("--rollout-server-timeout", type=float, default=600.0,
                    help="seconds an SGLang server may take to start and answer /health")
     g.add_argument("--generator-timeout", type=float, default=900.0,
@@ -490,6 +533,11 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.save_hf_interval < 0:
         parser.error(f"--save-hf-interval must be >= 0, got {args.save_hf_interval}")
     if args.rollout_backend == "sglang":
+        if args.sglang_api_key is None and os.environ.get(API_KEY_ENV):
+            try:
+                args.sglang_api_key = api_key(os.environ[API_KEY_ENV])
+            except argparse.ArgumentTypeError as e:
+                parser.error(f"env {API_KEY_ENV} (--sglang-api-key): {e}")
         if args.rollout_server_urls and len(args.rollout_server_urls) != args.rollout_num_replicas:
             parser.error(f"--rollout-server-urls has {len(args.rollout_server_urls)} URL(s) for "
                          f"--rollout-num-replicas {args.rollout_num_replicas}")
@@ -500,9 +548,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if args.partial_rollout_max_tokens:
             parser.error("--partial-rollout-max-tokens is a built-in engine feature; SGLang has no per-request "
                          "token budget per weight version")
-    elif args.sglang or args.rollout_server_urls:
+    elif args.sglang or args.rollout_server_urls or args.sglang_api_key is not None:
         flags = [f"--sglang-{k.replace('_', '-')}" for k in args.sglang] + \
-            (["--rollout-server-urls"] if args.rollout_server_urls else [])
+            (["--rollout-server-urls"] if args.rollout_server_urls else []) + \
+            (["--sglang-api-key"] if args.sglang_api_key is not None else [])
         parser.error(f"{', '.join(flags)} need(s) --rollout-backend sglang")
     if args.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")

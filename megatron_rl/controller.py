@@ -39,6 +39,7 @@ from megatron_rl.logging import (
     StepTimes,
     console_fields,
     generator_totals,
+    run_config,
     step_metrics,
     write_json,
 )
@@ -132,8 +133,7 @@ class Controller:
             checkpointing.truncate_logs_to_checkpoint(args.load, args.output_dir)
         self.rollout_log = RolloutLog(args.output_dir, append=bool(args.load))
         self.logger = MetricsLogger(args.output_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
-                                    args.tensorboard_dir, config={k: v for k, v in vars(args).items()
-                                                                  if isinstance(v, (int, float, str, bool))},
+                                    args.tensorboard_dir, config=run_config(args),
                                     append=bool(args.load), wandb_mode_flag=args.wandb_mode)
 
     # ---- generators -----------------------------------------------------------------------------------------------

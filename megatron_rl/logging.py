@@ -33,6 +33,12 @@ def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
+def run_config(args) -> dict:
+    """The run's flags as logged to wandb: the scalar ones (str, int, float, bool). A credential
+    (--sglang-api-key, an `arguments.Secret`) is no scalar, so it is never logged."""
+    return {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
+
+
 def wandb_mode(flag: str | None = None) -> str:
     """--wandb-mode, else WANDB_MODE, else online when an API key is set, else offline (never a silent upload
     attempt from a machine that has no key)."""

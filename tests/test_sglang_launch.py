@@ -134,6 +134,7 @@ def _setup(world, *flags):
     (["--sglang-dp-size", "2"], r"--sglang-dp-size \(one engine per replica .*--rollout-num-replicas\)"),
     (["--sglang-port", "30000", "--sglang-model-path", "/m"], r"--sglang-port \(the run picks .*; "
                                                               r"--sglang-model-path \(the run serves"),
+    (["--sglang-host", "0.0.0.0"], r"--sglang-host \(the run picks the address of each server it launches"),
     (["--sglang-skip-tokenizer-init"], r"--sglang-skip-tokenizer-init \(always on"),
     (["--sglang-load-format", "auto"], r"--sglang-load-format \(servers start on random weights"),
     (["--sglang-weight-version", "3"], r"--sglang-weight-version \(the run numbers the weight versions"),
@@ -161,7 +162,7 @@ def test_server_flags_with_server_urls_are_refused(capsys):
 
 def test_build_sglang_engine_passes_the_replica_and_the_checked_flags(tmp_path, monkeypatch):
     setup = _setup(3, "--rollout-num-replicas", "2", "--output-dir", str(tmp_path), "--sglang-mem-fraction-static",
-                   "0.7")
+                   "0.7", "--sglang-api-key", "sk-1")
     setup = dataclasses.replace(setup, sglang_flags={"mem_fraction_static": 0.7})  # as SGLang's parser types it
     calls = []
     monkeypatch.setattr(sglang_engine, "start_replica_engine", lambda *a, **kw: calls.append((a, kw)))
@@ -171,6 +172,6 @@ def test_build_sglang_engine_passes_the_replica_and_the_checked_flags(tmp_path, 
     build_sglang_engine(setup, Roles(rank=2, world_size=3, trainer_world_size=1, rollout_tp=1, rollout_replicas=2,
                                      sync_group=None))
     (args, kwargs), = calls
-    assert kwargs["replica"] == 1 and args[4].endswith("replica1/model")
+    assert kwargs["replica"] == 1 and args[4].endswith("replica1/model") and kwargs["api_key"] == "sk-1"
     assert kwargs["extra_flags"] == {"max_running_requests": 64, "context_length": 64, "random_seed": 1234,
                                      "mem_fraction_static": 0.7}

@@ -362,6 +362,8 @@ def git_commit() -> str | None:
 
 def build_summary(args: argparse.Namespace, argv: list[str], script: str, grid: dict, context: dict) -> dict:
     """summary.json: the grid, the rules, every run's figures and every cell's over seeds, the cost."""
+    from megatron_rl.arguments import redact_argv
+
     runs = []
     for (lag, loss, seed), record in grid["runs"].items():
         directory = run_dir(args.output_dir, lag, loss, seed)
@@ -381,13 +383,14 @@ def build_summary(args: argparse.Namespace, argv: list[str], script: str, grid: 
                                   ["accuracy_before_rl"], "launch_seconds": record.get("launch_seconds")}
     spread = ablation_summary.spread
     return {
-        "command": shlex.join(["python", "-m", "megatron_rl.bench", "ablation", *argv]),
+        "command": shlex.join(["python", "-m", "megatron_rl.bench", "ablation", *redact_argv(argv)]),
         "git_commit": context["commit"],
         "recipe": {"example": os.path.relpath(EXAMPLE, ROOT), "copy": script, "sha256": sha256(script)},
         "machine": context["machine"],
         "load_average": context["load_average"],
         "grid": {"lags": args.lags, "losses": args.losses, "seeds": args.seeds, "train_iters": args.train_iters,
-                 "eval_interval": args.eval_interval, "warmup_iters": args.warmup_iters, "extra_flags": args.extra,
+                 "eval_interval": args.eval_interval, "warmup_iters": args.warmup_iters,
+                 "extra_flags": redact_argv(args.extra),
                  "quick": args.quick},
         "target_accuracy": ablation_summary.TARGET_ACCURACY,
         "rules": {"time_to_target": ablation_summary.TARGET_RULE, "instability": ablation_summary.INSTABILITY_RULE,

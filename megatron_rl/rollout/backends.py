@@ -87,8 +87,10 @@ def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:
     flags = {"max_running_requests": args.rollout_max_running, "context_length": args.seq_length,
              "random_seed": args.seed, **setup.sglang_flags}
     url = args.rollout_server_urls[roles.replica] if args.rollout_server_urls else None
+    key = getattr(args, "sglang_api_key", None)  # an arguments.Secret: unwrapped only here, for the server's client
     return start_replica_engine(setup.spec, setup.generator.tensor_parallel_size, roles.replica_group,
                                 roles.is_leader, model_dir, os.path.join(directory, "server.log"), url=url,
+                                api_key=key.value if key is not None else None,
                                 extra_flags=flags, dtype="bfloat16" if args.bf16 else "float32",
                                 max_total_tokens=max(args.rollout_max_running * args.seq_length, 8192),
                                 timeout_s=args.rollout_server_timeout,

@@ -417,23 +417,26 @@ def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, 
                          port: int | None = None, url: str | None = None, extra_flags: dict | None = None,
                          dtype: str = "float32", load_format: str = "dummy", max_total_tokens: int = 65536,
                          timeout_s: float = 600.0, required_flags: dict | None = None, replica: int | None = None,
-                         **engine_options) -> SGLangEngine:
+                         api_key: str | None = None, **engine_options) -> SGLangEngine:
     """Called on every rank of a generator replica (`replica`: its index, for messages). The leader launches its
     SGLang server on its own GPUs (or attaches to `url`) and checks that it serves `spec` at `tp_size` with
     `required_flags` (given to a server it launches); every rank learns whether that worked and raises the
-    leader's error if not, so no rank is left waiting on a replica that never came up."""
+    leader's error if not, so no rank is left waiting on a replica that never came up. `api_key`: the server's
+    --api-key (given to a launched one), sent with every request; an attached server that refuses it is an error
+    here, before any work."""
     from megatron_rl.launch import free_port
 
     server, error = None, [None]
     if is_leader:
         try:
             if url:
-                server = SGLangServer.attach(url, timeout_s)
+                server = SGLangServer.attach(url, timeout_s, api_key=api_key)
             else:
                 server = SGLangServer.launch(model_dir, tp_size, port or free_port(), log_path, dtype=dtype,
                                              max_total_tokens=max_total_tokens,
                                              extra_flags={**(extra_flags or {}), **(required_flags or {})},
-                                             load_format=load_format, timeout_s=timeout_s, replica=replica)
+                                             load_format=load_format, timeout_s=timeout_s, replica=replica,
+                                             api_key=api_key)
             server.check(spec, tp_size, required_flags)
         except Exception as e:  # noqa: BLE001 - reported to every rank of the replica, then raised
             error[0] = f"{type(e).__name__}: {e}"

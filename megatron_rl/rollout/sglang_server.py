@@ -6,6 +6,12 @@ command line and environment from explicit inputs (no process is started there, 
 On a machine with CUDA each replica's server gets the GPUs of its generator ranks (`server_gpu_flags`); on a
 machine without CUDA it gets SGLang's torch-native CPU flags (README, "SGLang generators"). Extra server flags
 come from `--sglang-<flag>` on the megatron-rl command line, checked at run setup (`sglang_flags.py`).
+
+With an API key (--sglang-api-key, or env SGLANG_API_KEY) a launched server gets it as SGLang's `--api-key`, and every
+request of `SGLangServer` (one HTTP session) carries `Authorization: Bearer <key>`, which SGLang's middleware checks on
+every endpoint but /health, /ready and /metrics. The key is replaced by "<redacted>" wherever this module writes a
+command line or a server log's lines. Launched servers listen on the loopback address: only their replica's leader,
+on the same node, talks to them.
 """
 
 from __future__ import annotations
@@ -35,9 +41,16 @@ CPU_FLAGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda
              "grammar_backend": "none"}
 
 
+API_KEY_ENV = "SGLANG_API_KEY"  # read by megatron-rl (arguments.py); SGLang 0.5.23's server reads no variable
+REDACTED = "<redacted>"
 POOL_SIZE = 256  # HTTP connections kept open to one server (SGLangEngine's request threads)
 LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"}
+
+
+def redact(text: str, secret: str | None) -> str:
+    """`text` with every occurrence of `secret` replaced by "<redacted>" (unchanged without a secret)."""
+    return text.replace(secret, REDACTED) if secret else text
 
 
 def _flag_list(flags: dict) -> list[str]:
@@ -106,23 +119,26 @@ def server_gpu_flags(local_rank: int, tp_size: int, cuda_visible_devices: str | 
 def launch_command(model_path: str, tp_size: int, port: int, *, environ: Mapping[str, str], cuda_available: bool,
                    device_count: int | None = None, cpu_count: int = 1, dtype: str = "float32",
                    max_total_tokens: int = 65536, extra_flags: dict | None = None, load_format: str = "dummy",
-                   host: str = "127.0.0.1", replica: int | None = None,
+                   host: str = "127.0.0.1", replica: int | None = None, api_key: str | None = None,
                    python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of one replica's `sglang.launch_server`, from explicit inputs: `environ`
     is the launching (leader) process's environment (LOCAL_RANK, LOCAL_WORLD_SIZE, CUDA_VISIBLE_DEVICES are read
     from it), `cuda_available` / `device_count` / `cpu_count` describe the machine. Nothing is started.
 
     The server's flags are the run's (model, TP size, address, dtype, token ids in, start-up weights and their
-    version, KV cache size), then its placement (GPUs from `server_gpu_flags`, or SGLang's CPU flags), then
-    `extra_flags`, which override: `--sglang-base-gpu-id` replaces the computed GPU placement."""
+    version, KV cache size, `api_key` as `--api-key`), then its placement (GPUs from `server_gpu_flags`, or SGLang's
+    CPU flags), then `extra_flags`, which override: `--sglang-base-gpu-id` replaces the computed GPU placement. The
+    command holds the key: log it through `redact`."""
     extra_flags = dict(extra_flags or {})
     flags = {"model_path": model_path, "tp_size": tp_size, "host": host, "port": port, "dtype": dtype,
              "load_format": load_format, "skip_tokenizer_init": True,
              "weight_version": "-1" if load_format == "dummy" else "0",
-             "max_total_tokens": max_total_tokens}
+             "max_total_tokens": max_total_tokens, "api_key": api_key}
     # The server runs its own torch.distributed world: it must not see this process's launcher settings
     # (torchrun's RANK / WORLD_SIZE / MASTER_PORT would make its TP workers join the training job's).
-    env = {k: v for k, v in environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+    # The key reaches it only as --api-key.
+    env = {k: v for k, v in environ.items()
+           if k not in LAUNCHER_ENV and k != API_KEY_ENV and not k.startswith("TORCHELASTIC_")}
     if cuda_available:
         if "base_gpu_id" not in extra_flags:
             flags.update(server_gpu_flags(_env_int(environ, "LOCAL_RANK") or 0, tp_size,
@@ -191,32 +207,39 @@ def served_model_problems(spec: ModelSpec, info: dict) -> list[str]:
 
 class SGLangServer:
     def __init__(self, url: str, log_path: str | None = None, command: list[str] | None = None,
-                 env: dict | None = None, timeout_s: float = 600.0):
-        """`command`: how this object launches (and relaunches) the server; None for an attached one."""
+                 env: dict | None = None, timeout_s: float = 600.0, api_key: str | None = None):
+        """`command`: how this object launches (and relaunches) the server; None for an attached one. `api_key`:
+        sent with every request (the server's --api-key)."""
         self.url = url.rstrip("/")
         self.log_path = log_path
         self.command, self.env, self.timeout_s = command, env, timeout_s
         self.process: subprocess.Popen | None = None
+        self._api_key = api_key
         self.http = requests.Session()  # shared by the request threads: one pooled connection each
         self.http.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=POOL_SIZE))
+        if api_key:
+            self.http.headers["Authorization"] = f"Bearer {api_key}"  # as SGLang's middleware reads it
 
     # ---- start -------------------------------------------------------------------------------------------------
     @classmethod
     def launch(cls, model_path: str, tp_size: int, port: int, log_path: str, dtype: str = "float32",
                max_total_tokens: int = 65536, extra_flags: dict | None = None, load_format: str = "dummy",
-               host: str = "127.0.0.1", timeout_s: float = 600.0, replica: int | None = None) -> SGLangServer:
+               host: str = "127.0.0.1", timeout_s: float = 600.0, replica: int | None = None,
+               api_key: str | None = None) -> SGLangServer:
         """Start a server from this process (a replica's leader; `launch_command` says with which flags, GPUs
         and environment) and wait until it answers. `load_format="dummy"` starts with random weights, reported
         as weight version -1 until the first update; any other format loads the checkpoint, served as version 0.
         `max_total_tokens` sizes the KV cache: on CPU SGLang cannot measure the memory free per rank and would
-        otherwise size it from the whole machine's memory."""
+        otherwise size it from the whole machine's memory. `host`: the address the server listens on, loopback
+        by default (the leader is on the same node); `api_key`: the server's --api-key, sent with every request."""
         cuda = torch.cuda.is_available()
         command, env = launch_command(model_path, tp_size, port, environ=os.environ, cuda_available=cuda,
                                       device_count=torch.cuda.device_count() if cuda else None,
                                       cpu_count=os.cpu_count() or 1, dtype=dtype, max_total_tokens=max_total_tokens,
-                                      extra_flags=extra_flags, load_format=load_format, host=host, replica=replica)
+                                      extra_flags=extra_flags, load_format=load_format, host=host, replica=replica,
+                                      api_key=api_key)
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-        server = cls(f"http://{host}:{port}", log_path, command, env, timeout_s)
+        server = cls(f"http://{host}:{port}", log_path, command, env, timeout_s, api_key)
         server.start()
         return server
 
@@ -227,7 +250,9 @@ class SGLangServer:
                                     "restarted from here")
         self.shutdown()
         with open(self.log_path, "ab") as log:
-            log.write(f"\n===== megatron-rl: starting {' '.join(self.command)}\n".encode())
+            if self._api_key:  # SGLang logs its server arguments, the key among them, at start-up
+                os.chmod(self.log_path, 0o600)
+            log.write(f"\n===== megatron-rl: starting {redact(' '.join(self.command), self._api_key)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                             start_new_session=True, preexec_fn=die_with_parent)
@@ -238,9 +263,11 @@ class SGLangServer:
             raise
 
     @classmethod
-    def attach(cls, url: str, timeout_s: float = 60.0) -> SGLangServer:
-        server = cls(url, timeout_s=timeout_s)
+    def attach(cls, url: str, timeout_s: float = 60.0, api_key: str | None = None) -> SGLangServer:
+        """A running server (--rollout-server-urls), once it answers and takes this run's credentials."""
+        server = cls(url, timeout_s=timeout_s, api_key=api_key)
         server.wait_ready(timeout_s)
+        server.get("/server_info")  # /health is open to anyone: a refused key shows here, named (`_call`)
         return server
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -267,6 +294,9 @@ class SGLangServer:
             problems.append(f"tp_size {info.get('tp_size')} (the run's --rollout-tensor-parallel-size is {tp_size})")
         if info.get("dp_size", 1) != 1:
             problems.append(f"dp_size {info.get('dp_size')} (weight updates need one engine per replica: dp_size 1)")
+        if info.get("admin_api_key"):
+            problems.append("admin_api_key is set (SGLang then takes only the admin key for weight updates and "
+                            "pauses, but the run sends --sglang-api-key; start it with --api-key alone)")
         if not info.get("skip_tokenizer_init"):
             problems.append("skip_tokenizer_init is off (the adapter sends token ids; start it with "
                             "--skip-tokenizer-init)")
@@ -302,10 +332,18 @@ class SGLangServer:
             self.raise_if_dead(f"during {path}")
             raise SGLangServerError(f"SGLang server {self.url}{path}: {type(e).__name__}: {e}"
                                     + self._tail_text()) from e
+        if response.status_code in (401, 403):
+            raise SGLangServerError(self._refused(path, response.status_code))
         if response.status_code != 200:
             raise SGLangServerError(f"SGLang server {self.url}{path} answered {response.status_code}: "
                                     f"{response.text[:2000]}")
         return response.json() if response.content else {}
+
+    def _refused(self, path: str, status: int) -> str:
+        """The error for a request SGLang's API-key middleware refused (401; 403 for its admin-only endpoints)."""
+        why = ("the API key of --sglang-api-key (or env SGLANG_API_KEY) is not its --api-key" if self._api_key else
+               "it requires an API key: give its --api-key with --sglang-api-key or env SGLANG_API_KEY")
+        return f"SGLang server {self.url} refused {path} (HTTP {status}): {why}"
 
     # ---- failure reporting and shutdown -----------------------------------------------------------------------------
     def alive(self) -> bool:
@@ -320,7 +358,7 @@ class SGLangServer:
 
     def _tail_text(self) -> str:
         tail = self.log_tail()
-        return f"\n--- last lines of {self.log_path} ---\n{tail}" if tail else ""
+        return f"\n--- last lines of {self.log_path} ---\n{redact(tail, self._api_key)}" if tail else ""
 
     def raise_if_dead(self, when: str) -> None:
         """Raise with the exit code and the log's tail if the launched server has exited."""
