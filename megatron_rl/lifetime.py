@@ -6,12 +6,14 @@ nothing would stop them: they are re-parented to init and keep their memory, por
 
 - `die_with_parent`, for the processes this project starts itself: the kernel SIGKILLs the child when its parent
   dies (Linux PR_SET_PDEATHSIG).
-- `reap_when_gone`, for everything else: the rank marks its environment with a token that every descendant
-  inherits, and starts a small watcher process that, once the rank is gone, kills every process carrying the
-  token. The watcher learns of the rank's death from the pipe the rank holds open (end of file) and, should a
-  forked child have inherited that pipe, from being re-parented.
+- `reap_when_gone`, for everything else: the rank marks its environment with a token that every process it
+  executes inherits, and starts a small watcher process that, once the rank is gone, kills every process carrying
+  the token and, when the rank leads its process group (a torchrun worker does), every process of that group
+  (forked children, which show their parent's environment as it was at its start, without the token). The
+  watcher learns of the rank's death from the pipe the rank holds open (end of file) and, should a forked child
+  have inherited that pipe, from being re-parented.
 
-`processes_with_env` is how tests and the soak benchmark count what a run left behind.
+`processes_with_env` is how tests count what a run left behind.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ OWNER_ENV = "MEGATRON_RL_PROCESS_OWNER"
 # and removes what they leaked (shared memory, semaphores) on the way.
 _WATCHER = r"""
 import os, select, signal, sys, time
-token, parent = sys.argv[1].encode(), os.getppid()
+token, group, parent = sys.argv[1].encode(), int(sys.argv[2]), os.getppid()
 while os.getppid() == parent:
     if select.select([sys.stdin], [], [], 1.0)[0] and not os.read(sys.stdin.fileno(), 1024):
         break
@@ -37,11 +39,13 @@ def marked():
     for name in os.listdir("/proc"):
         if name.isdigit() and int(name) != os.getpid():
             try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    in_group = group and int(f.read().rsplit(b")", 1)[1].split()[2]) == group
                 with open(f"/proc/{name}/environ", "rb") as f:
-                    if token in f.read().split(b"\0"):
+                    if in_group or token in f.read().split(b"\0"):
                         with open(f"/proc/{name}/cmdline", "rb") as f:
                             found[int(name)] = b"resource_tracker" in f.read()
-            except OSError:
+            except (OSError, ValueError, IndexError):
                 pass
     return found
 deadline = time.monotonic() + 5.0
@@ -82,7 +86,8 @@ def reap_when_gone() -> None:
         return
     token = f"{os.getpid()}-{uuid.uuid4().hex}"
     os.environ[OWNER_ENV] = token
-    _watcher = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, f"{OWNER_ENV}={token}"],
+    group = os.getpid() if os.getpgid(0) == os.getpid() else 0
+    _watcher = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, f"{OWNER_ENV}={token}", str(group)],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
     # The watcher's stdin stays open for as long as this process lives; it is never written to.
 
