@@ -10,8 +10,8 @@ nothing would stop them: they are re-parented to init and keep their memory, por
   executes inherits, and starts a small watcher process that, once the rank is gone, kills every process carrying
   the token and, when the rank leads its process group (a torchrun worker does), every process of that group
   (forked children, which show their parent's environment as it was at its start, without the token). The
-  watcher learns of the rank's death from the pipe the rank holds open (end of file) and, should a forked child
-  have inherited that pipe, from being re-parented.
+  watcher acts once it has been re-parented, that is once the rank is gone, whether killed or at the end of a
+  normal exit.
 
 `processes_with_env` is how tests count what a run left behind.
 """
@@ -25,22 +25,30 @@ import uuid
 
 OWNER_ENV = "MEGATRON_RL_PROCESS_OWNER"
 
-# The watcher: wait for the rank (its parent) to be gone, then kill its marked descendants. multiprocessing's
-# resource tracker is killed last, after a grace period: it exits by itself once the processes it tracks are gone,
-# and removes what they leaked (shared memory, semaphores) on the way.
+# The watcher: wait for the rank (its parent) to be gone, then kill its marked descendants. It is gone once the
+# watcher has been re-parented; the kernel signals that moment (PR_SET_PDEATHSIG), and the one-second poll covers a
+# rank that died before the request took effect. (End of file on a pipe would come too early: a rank that exits
+# normally closes its files before it is gone, and killing its group then would turn its exit status into -9.)
+# multiprocessing's resource tracker is killed last, after a grace period: it exits by itself once the processes it
+# tracks are gone, and removes what they leaked (shared memory, semaphores) on the way. Zombies are skipped: they
+# are dead already, and only their parent can remove them.
 _WATCHER = r"""
-import os, select, signal, sys, time
+import ctypes, os, signal, sys, time
 token, group, parent = sys.argv[1].encode(), int(sys.argv[2]), os.getppid()
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGUSR1)  # 1 = PR_SET_PDEATHSIG
 while os.getppid() == parent:
-    if select.select([sys.stdin], [], [], 1.0)[0] and not os.read(sys.stdin.fileno(), 1024):
-        break
+    signal.sigtimedwait([signal.SIGUSR1], 1.0)
 def marked():
     found = {}
     for name in os.listdir("/proc"):
         if name.isdigit() and int(name) != os.getpid():
             try:
                 with open(f"/proc/{name}/stat", "rb") as f:
-                    in_group = group and int(f.read().rsplit(b")", 1)[1].split()[2]) == group
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                if fields[0] == b"Z":
+                    continue
+                in_group = group and int(fields[2]) == group
                 with open(f"/proc/{name}/environ", "rb") as f:
                     if in_group or token in f.read().split(b"\0"):
                         with open(f"/proc/{name}/cmdline", "rb") as f:
@@ -49,16 +57,13 @@ def marked():
                 pass
     return found
 deadline = time.monotonic() + 5.0
-while True:
-    found = marked()
-    victims = [p for p, tracker in found.items() if not tracker or time.monotonic() > deadline]
-    if not found:
-        break
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+while found := marked():
+    for pid, tracker in found.items():
+        if not tracker or time.monotonic() > deadline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
     time.sleep(0.1)
 """
 
@@ -88,8 +93,7 @@ def reap_when_gone() -> None:
     os.environ[OWNER_ENV] = token
     group = os.getpid() if os.getpgid(0) == os.getpid() else 0
     _watcher = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, f"{OWNER_ENV}={token}", str(group)],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
-    # The watcher's stdin stays open for as long as this process lives; it is never written to.
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def processes_with_env(name: str, value: str) -> list[int]:
