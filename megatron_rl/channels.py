@@ -6,9 +6,9 @@ completes). Receives block; `poll` never blocks: it starts a listener thread tha
 (gloo's receive handles report completion only once waited on, so they cannot be polled directly).
 
 A transfer that fails (the peer's node died, or it was silent for the process group's timeout,
---distributed-timeout-minutes) is raised as `multinode.LostPeer` naming the peer's rank and node, in the caller's
-thread: by `recv`/`poll` for a listener's receive, by the next `send`/`flush` for a send. A helper thread never
-dies silently, which would leave its caller waiting forever.
+--distributed-timeout-minutes) is raised as `multinode.LostPeer` naming the peer's rank and node (for a receive
+from any rank, the channel's `senders`), in the caller's thread: by `recv`/`poll` for a listener's receive, by the
+next `send`/`flush` for a send. A helper thread never dies silently, which would leave its caller waiting forever.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,10 +29,11 @@ TAG_CONTROL, TAG_ROLLOUTS = 11, 12
 
 
 class Channel:
-    def __init__(self, group, tag: int, last_kind: str | None = None):
+    def __init__(self, group, tag: int, last_kind: str | None = None, senders: Sequence[int] = ()):
         """`last_kind`: a listener thread ends after a message `(last_kind, ...)` (so that no receive is left
-        pending when the process group is destroyed)."""
-        self.group, self.tag, self.last_kind = group, tag, last_kind
+        pending when the process group is destroyed). `senders`: the ranks that send on this channel, named when a
+        receive from any rank fails."""
+        self.group, self.tag, self.last_kind, self.senders = group, tag, last_kind, tuple(senders)
         self._queues: dict[int | None, queue.Queue] = {}
         self._sent: queue.Queue | None = None
         self._send_error: BaseException | None = None  # the first failed send, raised by send() and flush()
@@ -84,7 +86,7 @@ class Channel:
             payload = torch.empty(int(header[0]), dtype=torch.uint8)
             self.group.recv([payload], sender, self.tag).wait()
         except RuntimeError as e:  # gloo: connection closed by the peer, or the process group's timeout
-            raise lost_peer("receiving from", sender, e) from e
+            raise lost_peer("receiving from", sender, e, self.senders) from e
         return pickle.loads(payload.numpy().tobytes()), sender
 
     def recv(self, src: int | None = None) -> tuple[Any, int]:

@@ -11,6 +11,7 @@ node 0's rendezvous store. Every wait on a peer is bounded by --distributed-time
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 
 class LostPeer(RuntimeError):
@@ -41,7 +42,15 @@ def describe_rank(rank: int | None) -> str:
     return where + (f" (MASTER_ADDR {master_address()})" if node == 0 else "")
 
 
-def lost_peer(action: str, rank: int | None, error: BaseException) -> LostPeer:
-    """The error to raise when `action` ("receive from", "send to") `rank` failed with `error`."""
-    return LostPeer(f"lost contact with {describe_rank(rank)}: {action} it failed ({error}); its node died, its "
+def lost_peer(action: str, rank: int | None, error: BaseException, senders: Sequence[int] = ()) -> LostPeer:
+    """The error to raise when `action` ("receive from", "send to") `rank` failed with `error`. A receive from any
+    rank (`rank` None) names `senders`, the ranks that send to it: a timeout names no address, so without them a
+    node that vanished (nothing answers, nothing closes a connection) would go unnamed."""
+    if rank is None and len(senders) == 1:
+        who = describe_rank(senders[0])
+    elif rank is None and senders:
+        who = f"one of {', '.join(map(describe_rank, senders))} (an address in the error below is the peer's)"
+    else:
+        who = describe_rank(rank)
+    return LostPeer(f"lost contact with {who}: {action} it failed ({error}); its node died, its "
                     f"process exited, or it sent nothing within --distributed-timeout-minutes")

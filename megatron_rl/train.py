@@ -56,9 +56,9 @@ def run(args) -> None:
 
             try:  # whatever happens, the other trainer ranks are released from serve()
                 setup.tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
+                leaders = [setup.generator.rank(r, 0) for r in range(setup.generator.num_replicas)]
                 controller = Controller(setup, trainer, Channel(roles.sync_group, TAG_CONTROL),
-                                        Channel(roles.sync_group, TAG_ROLLOUTS),
-                                        [setup.generator.rank(r, 0) for r in range(setup.generator.num_replicas)])
+                                        Channel(roles.sync_group, TAG_ROLLOUTS, senders=leaders), leaders)
                 controller.run()
                 controller.shutdown()
             finally:

@@ -4,6 +4,8 @@ address, exactly as a user launches across hosts. The trainer (TP=1) is rank 0 o
 1 on node 1, so the channels and every DDMA transfer cross the veth link. GLOO_SOCKET_IFNAME is left unset: the
 launch script derives it from the route to MASTER_ADDR.
 
+The last test loses node 1 (the generator) after a checkpoint and resumes both nodes from it.
+
 Creating namespaces needs root; elsewhere the tests are skipped with that reason (tools/test_multinode.sh)."""
 
 import json
@@ -20,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBNET = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"  # private to this test run's namespaces
 NODE_ADDRESSES = [f"{SUBNET}.1", f"{SUBNET}.2"]
 NOBODY = f"{SUBNET}.3"  # an address on the link that no node holds: a node 0 that never came up
+MARKER = "MEGATRON_RL_TEST_NODE"  # set by _launch(marker=...): finds what a launch left behind
 
 
 def _ip(*args):
@@ -51,11 +54,14 @@ def nodes():
         subprocess.run(["ip", "netns", "del", space], capture_output=True)
 
 
-def _launch(space, node_rank, out, *flags, master=NODE_ADDRESSES[0], port=29500):
-    """Node `node_rank`'s launch in namespace `space`; its output goes to `out`.log."""
+def _launch(space, node_rank, out, *flags, master=NODE_ADDRESSES[0], port=29500, marker=None):
+    """Node `node_rank`'s launch in namespace `space`; its output goes to `out`.log. `marker`: a value of MARKER in
+    its environment, which every process of the launch inherits (`lifetime.processes_with_env` finds them)."""
     env = {key: value for key, value in os.environ.items() if key != "GLOO_SOCKET_IFNAME"}
     env.update(NNODES="2", NODE_RANK=str(node_rank), MASTER_ADDR=master, MASTER_PORT=str(port), GPUS_PER_NODE="1",
                OUTPUT_DIR=str(out), OMP_NUM_THREADS="1")
+    if marker is not None:
+        env[MARKER] = marker
     log = open(f"{out}.log", "w")
     process = subprocess.Popen(["ip", "netns", "exec", space, "bash", "examples/run_tiny_aipo.sh",
                                 "--tensor-model-parallel-size", "1", *flags],
@@ -125,3 +131,83 @@ def test_a_node_whose_peers_vanish_fails_within_the_timeout_naming_them(nodes, t
     text = open(log_alone).read()
     assert f"to connect to any network address of ({NOBODY}, 29501)" in text, text[-3000:]
     node0.wait(60)
+
+
+# Small and quick (as tests/test_reliability.py's runs): this test is about losing a node and resuming, not learning.
+QUICK = ("--task-max-digits", "1", "--sft-warmup-iters", "2", "--eval-size", "8", "--global-batch-size", "16",
+         "--micro-batch-size", "8", "--rollout-max-response-len", "4", "--reward-num-workers", "1",
+         "--keep-uniform-groups", "--max-oversample", "2")
+
+
+def _wait_until(condition, deadline_s, what):
+    """Poll `condition()` until it is true; fail saying `what()` after `deadline_s`."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, what()
+        time.sleep(0.1)
+
+
+def _wait_until_gone(*markers, deadline_s=30):
+    """Every process of the launches marked `markers` ends within `deadline_s` (`lifetime.processes_with_env`)."""
+    from megatron_rl.lifetime import processes_with_env
+
+    def left():
+        return {marker: pids for marker in markers if (pids := processes_with_env(MARKER, marker))}
+
+    _wait_until(lambda: not left(), deadline_s, lambda: f"left running after {deadline_s} s (launch: pids): {left()}")
+
+
+def _exit_code(process, deadline_s, tails):
+    """`process`'s exit status, failing with the logs' `tails()` if it runs past `deadline_s`."""
+    try:
+        return process.wait(deadline_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running after {deadline_s} s\n{tails()}") from None
+
+
+def test_a_lost_node_fails_the_other_naming_it_and_both_resume_from_the_last_checkpoint(nodes, tmp_path):
+    """Node 1 (the generator) is lost mid-run after a checkpoint: its link cut, its processes killed. Node 0 (the
+    controller and trainer) fails within --distributed-timeout-minutes (1 here) with an error naming rank 1 on
+    node 1, and nothing of either launch is left running. Both nodes launched again with --load of the checkpoint
+    directory they share resume from its last step and finish: metrics.jsonl has every RL step once, in order, and
+    rollouts.jsonl every trained sample once."""
+    iters, batch, ckpt = 8, 16, tmp_path / "ckpt"
+    (space0, _), (space1, interface1) = nodes
+    flags = (*QUICK, "--train-iters", str(iters), "--save", str(ckpt), "--save-interval", "1",
+             "--distributed-timeout-minutes", "1")
+    out0, out1, tracker = tmp_path / "node0", tmp_path / "node1", ckpt / "latest_checkpointed_iteration.txt"
+    (node0, log0), (node1, log1) = (_launch(space0, 0, out0, *flags, port=29502, marker="first-0"),
+                                    _launch(space1, 1, out1, *flags, port=29502, marker="first-1"))
+
+    def tails():
+        return "\n\n".join(f"{log}:\n{open(log).read()[-3000:]}" for log in (log0, log1))
+
+    _wait_until(lambda: tracker.is_file() and tracker.read_text().strip() not in ("", "0"), 300,
+                lambda: f"no checkpoint in {ckpt} after 300 s\n{tails()}")
+    assert node0.poll() is None and node1.poll() is None, f"a node ended before node 1 was lost\n{tails()}"
+    _ip("-n", space1, "link", "set", interface1, "down")
+    os.killpg(node1.pid, signal.SIGKILL)
+    lost = time.monotonic()
+    _exit_code(node1, 60, tails)
+    assert _exit_code(node0, 60 + 60, tails) != 0, tails()
+    failed_after_s = time.monotonic() - lost
+    assert "lost contact with rank 1 on node 1 of 2" in open(log0).read(), tails()
+    assert failed_after_s < 60 + 30, f"node 0 failed {failed_after_s:.0f} s after node 1 was lost\n{tails()}"
+    _wait_until_gone("first-0", "first-1")
+
+    _ip("-n", space1, "link", "set", interface1, "up")
+    for log in (log0, log1):  # kept beside the next launch's logs
+        os.replace(log, log.replace(".log", "-lost.log"))
+    step = int(tracker.read_text())
+    assert 1 <= step < iters, step
+    resume = (*flags, "--load", str(ckpt))
+    (node0, log0), (node1, log1) = (_launch(space0, 0, out0, *resume, port=29503, marker="again-0"),
+                                    _launch(space1, 1, out1, *resume, port=29503, marker="again-1"))
+    assert [_exit_code(node0, 600, tails), _exit_code(node1, 60, tails)] == [0, 0], tails()
+    assert f"resumed at step {step}:" in open(log0).read(), tails()
+    steps = [m["step"] for m in map(json.loads, open(out0 / "metrics.jsonl")) if m["step"] >= 1]
+    assert steps == list(range(1, iters + 1)), steps
+    trained = [(r["prompt_id"], r["sample_index"]) for r in map(json.loads, open(out0 / "rollouts.jsonl"))
+               if r["event"] == "trained"]
+    assert len(trained) == len(set(trained)) == iters * batch, (len(trained), len(set(trained)))
+    _wait_until_gone("again-0", "again-1")

@@ -1,0 +1,33 @@
+"""A receive from any rank that times out (a peer node gone silent: no connection closes, so gloo's error names no
+address) names the ranks that send on the channel: the controller's rollout channel is how node 0 waits for the
+generators, and without this a lost generator node was reported as "any rank"."""
+
+import datetime
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from megatron_rl.channels import Channel
+from megatron_rl.multinode import LostPeer, lost_peer
+
+
+def test_a_silent_sender_is_named_when_a_receive_from_any_rank_times_out(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per node: rank 1 is on node 1
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    store, groups = dist.HashStore(), {}
+
+    def connect(rank):  # a real gloo group of 2 ranks; each blocks until the other is there
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=1))
+
+    threads = [threading.Thread(target=connect, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    with pytest.raises(LostPeer, match=r"^lost contact with rank 1 on node 1 of 2: receiving from it failed \("):
+        Channel(groups[0], 12, senders=[1]).recv()  # rank 1 sends nothing
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "4")  # several senders: which one fell silent is not known
+    error = lost_peer("receiving from", None, RuntimeError("timed out"), senders=[1, 3])
+    assert str(error).startswith("lost contact with one of rank 1 on node 1 of 4, rank 3 on node 3 of 4 (")
