@@ -41,7 +41,7 @@ from megatron_rl import failpoints
 from megatron_rl.accounting import account
 from megatron_rl.bench.example import EXAMPLE, child_env
 from megatron_rl.checkpointing import TRACKER_FILE
-from megatron_rl.lifetime import processes_with_env
+from megatron_rl.lifetime import processes_with_env, wait_until_gone
 
 MARKER = "MEGATRON_RL_SOAK"
 POINTS = ("train", "publish", "generate", "checkpoint-partial", "checkpoint-saved")
@@ -57,27 +57,30 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4 kills (a few minutes)")
     p.add_argument("--kills", type=int, help="SIGKILLs to deliver (default 20; 4 with --quick)")
-    p.add_argument("--train-iters", type=int, help="RL steps of the run (default: 2 per kill + 6)")
+    p.add_argument("--train-iters", type=int, help="RL steps of the run (default: 3 per kill + 6)")
     p.add_argument("--seed", type=int, default=0, help="of the kill schedule (the run's own seed is the example's)")
-    p.add_argument("--keep-last-n-checkpoints", type=int, default=None, help="the run's checkpoint retention")
+    p.add_argument("--keep-last-n-checkpoints", type=int, default=2, help="the run's checkpoint retention (default 2)")
     p.add_argument("--output-dir", default=None, help="default outputs/soak (outputs/soak-quick with --quick)")
     return p
 
 
 def rank_pids(token: str) -> dict[int, int]:
-    """RANK -> pid of the run's rank processes (torchrun's workers: each has RANK in its environment)."""
-    ranks = {}
+    """RANK -> pid of the run's rank processes: torchrun's workers (RANK in their environment), less the
+    processes they fork (Megatron's checkpoint writers), which show the same command line and environment."""
+    candidates = {}
     for pid in processes_with_env(MARKER, token):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                is_rank = b"megatron_rl.train" in f.read()  # not its children (reward workers, watcher)
-        except OSError:
+                runs_train = b"megatron_rl.train" in f.read()  # not reward workers, the watcher, torchrun
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError):
             continue
-        if is_rank and b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:  # not torchrun itself
-            ranks[int(env[b"RANK"])] = pid
-    return ranks
+        if runs_train and b"RANK" in env:
+            candidates[pid] = (int(env[b"RANK"]), parent)
+    return {rank: pid for pid, (rank, parent) in candidates.items() if parent not in candidates}
 
 
 def logged_step(metrics_path: str) -> int:
@@ -108,21 +111,6 @@ def checkpoint_step(ckpt: str) -> int:
 def disk_bytes(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files
                if os.path.isfile(os.path.join(d, f)))
-
-
-def wait_gone(token: str) -> list[str]:
-    """Wait (bounded) for every process of the run to exit; the command lines of those still there."""
-    deadline = time.monotonic() + GONE_TIMEOUT_S
-    while (left := processes_with_env(MARKER, token)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    names = []
-    for pid in left:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                names.append(f"{pid}: " + f.read().replace(b"\0", b" ").decode(errors="replace")[:160])
-        except OSError:
-            pass
-    return names
 
 
 def schedule(kills: int, seed: int) -> list[str]:
@@ -176,20 +164,29 @@ class Soak:
                 return proc.returncode
             time.sleep(0.1)
 
-    def kill_from_outside(self, proc: subprocess.Popen, kind: str, resumed_from: int) -> None:
-        if self.watch(proc, until_step=resumed_from) is not None:
+    def kill_from_outside(self, proc: subprocess.Popen, kind: str, last_logged: int) -> None:
+        """Once the attempt has logged a step beyond `last_logged` (the last step logged before it: a resumed run
+        first redoes the steps after its checkpoint), wait a random moment of the next steps (generation,
+        training, DDMA) and SIGKILL the rank `kind` names, or every process of the run (`kill-all`)."""
+        if self.watch(proc, until_step=last_logged) is not None:
             return  # it ended first (a failure: reported by the caller)
-        time.sleep(self.rng.uniform(0.0, 2.0))  # a random moment of the next steps: generation, training, DDMA
-        victims = [rank_pids(self.token).get(int(kind[-1]))] if kind != "kill-all" else []
-        for _ in range(10):  # kill-all: as a lost node, every process, including any started meanwhile
-            for pid in filter(None, victims):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            if kind != "kill-all" or not (victims := processes_with_env(MARKER, self.token)):
-                break
+        time.sleep(self.rng.uniform(0.0, 2.0))
+        if kind == "kill-all":  # as a lost node: every process, including any started meanwhile
+            while victims := processes_with_env(MARKER, self.token):
+                for pid in victims:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            return
+        rank = int(kind[-1])
+        pid = rank_pids(self.token).get(rank)
+        if pid is None:
+            raise RuntimeError(f"{kind}: no process of rank {rank} found in a run that logs steps")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
     def attempt(self, number: int, kind: str | None) -> dict:
         resumed_from = checkpoint_step(self.ckpt)
+        last_logged = logged_step(os.path.join(self.run_dir, "metrics.jsonl"))
         target = None
         if kind in POINTS:  # a step a little past the checkpoint; train/publish/generate count weight versions
             step = min(resumed_from + self.rng.randint(1, 3), self.args.train_iters - 2)
@@ -198,10 +195,10 @@ class Soak:
         start = time.time()
         proc, log_path = self.start(number, failpoint)
         if kind in EXTERNAL:
-            self.kill_from_outside(proc, kind, resumed_from)
+            self.kill_from_outside(proc, kind, last_logged)
         code = self.watch(proc)
         killed_at = time.time()
-        left = wait_gone(self.token)
+        left = wait_until_gone(MARKER, self.token, GONE_TIMEOUT_S)
         self.disk_max = max(self.disk_max, disk_bytes(self.ckpt))
         record = {"attempt": number, "kill": failpoint or kind, "resumed_from": resumed_from, "exit_code": code,
                   "last_step_logged": logged_step(os.path.join(self.run_dir, "metrics.jsonl")),
@@ -254,7 +251,7 @@ def main(argv: list[str]) -> int:
     args.kills = args.kills if args.kills is not None else (4 if args.quick else 20)
     if args.kills < 1:
         build_parser().error(f"--kills must be >= 1, got {args.kills}")
-    args.train_iters = args.train_iters or 2 * args.kills + 6
+    args.train_iters = args.train_iters or 3 * args.kills + 6
     args.output_dir = args.output_dir or os.path.join("outputs", "soak-quick" if args.quick else "soak")
     report = Soak(args).run()
     summary = {k: report[k] for k in ("kills", "wall_seconds", "seconds_lost_per_kill", "processes_left",
