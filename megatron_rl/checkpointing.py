@@ -297,7 +297,7 @@ def rng_file(directory: str, rank: int) -> str:
     return os.path.join(directory, "rng", f"rank{rank:05d}.pt")
 
 
-def save_rng(directory: str, rank: int) -> None:
+def rng_state() -> dict:
     """This rank's RNG states (torch, Python's random, numpy's global one, and the device's), as tensors and
     plain Python values only, so that `load_rng` reads them with `torch.load(weights_only=True)`."""
     version, mt, gauss_next = random.getstate()
@@ -308,8 +308,13 @@ def save_rng(directory: str, rank: int) -> None:
                        "cached_gaussian": float(cached_gaussian)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()  # this rank's device (Megatron's tracker forks from it)
+    return state
+
+
+def save_rng(directory: str, rank: int, state: dict | None = None) -> None:
+    """Write `state` (by default this rank's `rng_state()` now) as this rank's RNG file of `directory`."""
     os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
-    torch.save(state, rng_file(directory, rank))
+    torch.save(rng_state() if state is None else state, rng_file(directory, rank))
 
 
 def load_rng(directory: str, rank: int) -> None:

@@ -114,3 +114,21 @@ def processes_with_env(name: str, value: str) -> list[int]:
             continue
         found.append(int(entry))
     return found
+
+
+def wait_until_gone(name: str, value: str, timeout_s: float) -> list[str]:
+    """Wait (at most `timeout_s`) for every process whose environment has `name=value` to exit; returns
+    `pid: command line` of those still there (empty when all are gone)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_with_env(name, value)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    described = []
+    for pid in left:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                described.append(f"{pid}: " + f.read().replace(b"\0", b" ").decode(errors="replace")[:200])
+        except OSError:
+            pass  # it exited meanwhile
+    return described

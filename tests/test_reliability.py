@@ -8,27 +8,40 @@ import json
 import os
 import subprocess
 import time
+import uuid
 
 import pytest
 
+from megatron_rl.accounting import account
 from megatron_rl.algorithms import POLICY_LOSSES
+from megatron_rl.lifetime import wait_until_gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--sft-warmup-iters", "2", "--train-iters", "8", "--eval-size", "8", "--global-batch-size", "16",
          "--micro-batch-size", "8", "--rollout-max-response-len", "4", "--reward-num-workers", "1",
          "--keep-uniform-groups", "--max-oversample", "2"]
+MARKER = "MEGATRON_RL_RELIABILITY_RUN"  # in every process a launch starts: what is left of it can be found
 
 
 def _start(out, *flags, failpoint=None):
     from megatron_rl import failpoints
     from megatron_rl.launch import free_port
 
-    env = {**os.environ, "OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+           MARKER: uuid.uuid4().hex}
     if failpoint:
         env[failpoints.ENV] = failpoint  # the controller's rank SIGKILLs itself there; torchrun ends the rest
     log = open(out.parent / f"{out.name}-{time.monotonic_ns()}.log", "w")
-    return subprocess.Popen(["bash", "examples/run_tiny_aipo.sh", *SMALL, *flags], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log.name
+    run = subprocess.Popen(["bash", "examples/run_tiny_aipo.sh", *SMALL, *flags], cwd=ROOT, env=env,
+                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    run.marker = env[MARKER]
+    return run, log.name
+
+
+def _assert_nothing_left(run):
+    """Every process of the ended launch `run` (reward workers, checkpoint writers, ...) is gone within seconds."""
+    left = wait_until_gone(MARKER, run.marker, timeout_s=30)
+    assert not left, f"{len(left)} processes left behind: {left}"
 
 
 def _crash(out, failpoint, *flags):
@@ -36,6 +49,7 @@ def _crash(out, failpoint, *flags):
     code = run.wait(600)
     text = open(log).read()
     assert code != 0 and "held-out accuracy after RL" not in text, text[-3000:]
+    _assert_nothing_left(run)  # the SIGKILLed rank's reward worker and Megatron's checkpoint writers included
 
 
 def _rows(path):
@@ -61,6 +75,7 @@ def crashed_and_resumed(tmp_path_factory):
         (ckpt / leftover / "common.pt").write_bytes(b"x")
     run, log = _start(out, *save, "--load", str(ckpt))
     assert run.wait(600) == 0, open(log).read()[-3000:]
+    _assert_nothing_left(run)
     return out, state_at_4, tracker_after_mid_save_kill, open(log).read()
 
 
@@ -106,6 +121,14 @@ def test_every_prompt_is_consumed_once_and_buffered_rollouts_are_accounted_for(c
     inflight = {(pid, k) for pid in state_at_4["inflight"] for k in range(4)} - buffered
     assert inflight and inflight == {(r["prompt_id"], r["sample_index"]) for r in resent if r["step"] == 4}
     assert inflight <= set(keys)
+
+
+def test_the_run_accounts_for_itself_from_its_own_records(crashed_and_resumed):
+    out, _, _, _ = crashed_and_resumed
+    figures = account(str(out))
+    assert figures["problems"] == []
+    assert figures["steps"] == 8 and figures["samples_trained"] == 16 * 8
+    assert figures["samples_generated_again"] > 0 and figures["generated_again_reasons"]
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 and as the last line one object with all of them (`all` runs every benchmark but fp8 and gpu, which need a GPU).
 
 python -m megatron_rl.bench ablation [--quick] [flags] [-- train flags]: the off-policy correction vs lag ablation, with
-flags of its own (`python -m megatron_rl.bench ablation -h`); hours for the full grid, so not part of `all`."""
+flags of its own (`python -m megatron_rl.bench ablation -h`); hours for the full grid, so not part of `all`.
+python -m megatron_rl.bench soak [--quick] [flags]: the chaos soak (SIGKILLs and resumes, then an accounting)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,15 @@ import time
 
 BENCHMARKS = ("async", "ddma", "engine", "trainer", "reward", "r3")
 GPU_ONLY = ("fp8", "gpu")
-STUDIES = ("ablation",)  # runs many trainings, with flags of their own
+STUDIES = ("ablation", "soak")  # run many trainings, with flags of their own
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "ablation" in argv:  # a study with flags of its own, wherever its name stands
-        from megatron_rl.bench import ablation
-
-        argv.remove("ablation")
-        return ablation.main(argv)
+    for study in STUDIES:  # with flags of its own, wherever its name stands
+        if study in argv:
+            argv.remove(study)
+            return __import__(f"megatron_rl.bench.{study}", fromlist=["main"]).main(argv)
     parser = argparse.ArgumentParser(prog="python -m megatron_rl.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("which", choices=BENCHMARKS + GPU_ONLY + STUDIES + ("all",))

@@ -38,10 +38,7 @@ import sys
 import time
 
 from megatron_rl.bench import ablation_report, ablation_summary
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(ROOT, "examples", "run_tiny_aipo.sh")
-LAUNCH_COMMON = os.path.join(ROOT, "examples", "launch_common.sh")
+from megatron_rl.bench.example import EXAMPLE, LAUNCH_COMMON, ROOT, child_env
 
 FULL = {"lags": [0, 1, 2, 4, 8], "losses": ["aipo", "reinforce", "ppo", "tis", "icepop"], "seeds": [1, 2, 3],
         "train_iters": None, "eval_interval": 10, "warmup_iters": None, "output_dir": "outputs/ablation"}
@@ -173,18 +170,6 @@ def rl_flags(args: argparse.Namespace, lag: int, loss: str, seed: int) -> list[s
             "--max-staleness", str(lag), "--loss", loss, "--seed", str(seed), "--load-hf",
             warmup_export(args.output_dir, seed), "--sft-warmup-iters", "0", *iters,
             "--eval-interval", str(args.eval_interval)]
-
-
-def child_env(out_dir: str) -> dict:
-    """The example's environment for one run: one node, 2 processes, a free port; `python` and torchrun from this
-    interpreter, and this checkout's megatron_rl first on the path."""
-    from megatron_rl.launch import free_port
-
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "OUTPUT_DIR": out_dir, "GPUS_PER_NODE": "2", "NNODES": "1", "NODE_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "COMPARE_SYNC": "0", "OMP_NUM_THREADS": "1",
-            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-            "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
 
 
 def run_record(script: str, flags: list[str], output_dir: str) -> dict:

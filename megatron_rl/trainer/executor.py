@@ -163,10 +163,11 @@ class TrainerExecutor:
     def _save(self, directory: str) -> None:
         from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
 
-        checkpointing.save_rng(directory, dist.get_rank())
-        dist.barrier()
+        rng = checkpointing.rng_state()  # as the step left it
         save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler,
                                 reference=None if self.reference is None else self.reference.module)
+        # after Megatron's files: its save warns of an "incomplete / corrupted checkpoint" in a directory not empty
+        checkpointing.save_rng(directory, dist.get_rank(), rng)
         if dist.get_rank() == 0:  # the model beside its weights: the iteration exports to HF on its own
             self.description.write(directory, RL_FORMAT)
 
