@@ -131,6 +131,38 @@ def test_the_run_accounts_for_itself_from_its_own_records(crashed_and_resumed):
     assert figures["samples_generated_again"] > 0 and figures["generated_again_reasons"]
 
 
+def _trained_twice(rows):
+    return rows + [next(r for r in rows if r["event"] == "trained")]
+
+
+def _a_sample_lost(rows):
+    lost = next(r for r in rows if r["event"] == "trained")
+    return [r for r in rows if r is not lost]
+
+
+def _never_dispatched(rows):
+    first = next(r for r in rows if r["event"] == "dispatched")
+    return [r for r in rows if r is not first]
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (_trained_twice, "samples consumed more than once"),
+    (_a_sample_lost, "prompts with only some samples consumed"),
+    (_never_dispatched, "prompts consumed but never dispatched"),
+    ("drop step 5", "steps are not contiguous from 1"),
+])
+def test_the_accounting_names_what_a_broken_run_would_leave(crashed_and_resumed, tmp_path, damage, problem):
+    out, _, _, _ = crashed_and_resumed
+    for name in ("rollouts.jsonl", "metrics.jsonl", "eval.json"):
+        (tmp_path / name).write_bytes((out / name).read_bytes())
+    if damage == "drop step 5":
+        path, rows = tmp_path / "metrics.jsonl", [m for m in _rows(out / "metrics.jsonl") if m.get("step") != 5]
+    else:
+        path, rows = tmp_path / "rollouts.jsonl", damage(_rows(out / "rollouts.jsonl"))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert any(problem in line for line in account(str(tmp_path))["problems"])
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 def _train_cli(capsys, *args):

@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from megatron_rl.accounting import account
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBNET = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"  # private to this test run's namespaces
 NODE_ADDRESSES = [f"{SUBNET}.1", f"{SUBNET}.2"]
@@ -169,8 +171,8 @@ def test_a_lost_node_fails_the_other_naming_it_and_both_resume_from_the_last_che
     """Node 1 (the generator) is lost mid-run after a checkpoint: its link cut, its processes killed. Node 0 (the
     controller and trainer) fails within --distributed-timeout-minutes (1 here) with an error naming rank 1 on
     node 1, and nothing of either launch is left running. Both nodes launched again with --load of the checkpoint
-    directory they share resume from its last step and finish: metrics.jsonl has every RL step once, in order, and
-    rollouts.jsonl every trained sample once."""
+    directory they share resume from its last step and finish, and the run accounts for itself
+    (`megatron_rl.accounting`): every RL step once, in order, every prompt consumed once, no sample trained twice."""
     iters, batch, ckpt = 8, 16, tmp_path / "ckpt"
     (space0, _), (space1, interface1) = nodes
     flags = (*QUICK, "--train-iters", str(iters), "--save", str(ckpt), "--save-interval", "1",
@@ -205,9 +207,7 @@ def test_a_lost_node_fails_the_other_naming_it_and_both_resume_from_the_last_che
                                     _launch(space1, 1, out1, *resume, port=29503, marker="again-1"))
     assert [_exit_code(node0, 600, tails), _exit_code(node1, 60, tails)] == [0, 0], tails()
     assert f"resumed at step {step}:" in open(log0).read(), tails()
-    steps = [m["step"] for m in map(json.loads, open(out0 / "metrics.jsonl")) if m["step"] >= 1]
-    assert steps == list(range(1, iters + 1)), steps
-    trained = [(r["prompt_id"], r["sample_index"]) for r in map(json.loads, open(out0 / "rollouts.jsonl"))
-               if r["event"] == "trained"]
-    assert len(trained) == len(set(trained)) == iters * batch, (len(trained), len(set(trained)))
+    figures = account(str(out0))  # steps contiguous, each prompt consumed once, each sample trained on once
+    assert figures["problems"] == [] and figures["steps"] == iters, figures
+    assert figures["samples_trained"] == iters * batch, figures
     _wait_until_gone("again-0", "again-1")
