@@ -83,3 +83,19 @@ def account(output_dir: str) -> dict:
         "generated_again_reasons": dict(Counter(r["outcome"] for r in resent)),
         "problems": problems,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_rl.accounting OUTPUT_DIR`: print the figures as JSON; exit 1 if anything is unaccounted
+    for."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.accounting", description=main.__doc__)
+    parser.add_argument("output_dir", help="a run's --output-dir (rollouts.jsonl, metrics.jsonl, eval.json)")
+    figures = account(parser.parse_args(argv).output_dir)
+    print(json.dumps(figures, indent=1))
+    return 1 if figures["problems"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

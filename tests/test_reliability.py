@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from megatron_rl.accounting import account
+from megatron_rl.accounting import main as accounting_main
 from megatron_rl.algorithms import POLICY_LOSSES
 from megatron_rl.lifetime import wait_until_gone
 
@@ -126,7 +127,7 @@ def test_every_prompt_is_consumed_once_and_buffered_rollouts_are_accounted_for(c
 def test_the_run_accounts_for_itself_from_its_own_records(crashed_and_resumed):
     out, _, _, _ = crashed_and_resumed
     figures = account(str(out))
-    assert figures["problems"] == []
+    assert figures["problems"] == [] and accounting_main([str(out)]) == 0
     assert figures["steps"] == 8 and figures["samples_trained"] == 16 * 8
     assert figures["samples_generated_again"] > 0 and figures["generated_again_reasons"]
 
@@ -161,6 +162,7 @@ def test_the_accounting_names_what_a_broken_run_would_leave(crashed_and_resumed,
         path, rows = tmp_path / "rollouts.jsonl", damage(_rows(out / "rollouts.jsonl"))
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert any(problem in line for line in account(str(tmp_path))["problems"])
+    assert accounting_main([str(tmp_path)]) == 1
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """A chaos soak: the main example, killed with SIGKILL again and again, resumed each time, then accounted for.
 
-    python -m megatron_rl.bench soak [--quick] [--kills N] [--train-iters T] [--seed S]
+    python -m megatron_rl.bench soak [--quick] [--kills N] [--train-iters T] [--seed S] [--sglang]
         [--keep-last-n-checkpoints K] [--output-dir DIR] [-- extra train flags]
 
 The run is examples/run_tiny_aipo.sh at a tiny size (2 processes: a trainer and a built-in generator), saving a
@@ -12,6 +12,11 @@ of these ways (a seeded shuffle, so that every kind comes up as often as the oth
   `checkpoint-partial` (a checkpoint written, not yet complete), `checkpoint-saved` (right after one completed);
 - from outside, at a random moment once the attempt has logged a step: `kill-rank0` (the trainer and controller),
   `kill-rank1` (the generator), `kill-all` (every process of the run at once, as when a node is lost).
+
+With --sglang the generator is a real SGLang server (--rollout-backend sglang, the SGLang tier's environment),
+and in every attempt, once it has logged a step, the server is also SIGKILLed at a random moment (its whole
+process group, as a crashed server): the generator restarts it, gives it the current weights and sends its lost
+requests again, and the attempt goes on to its own kill.
 
 After each kill it waits for the run's processes to be gone and counts those left behind (every process the run
 starts carries a marker in its environment), and measures the disk used by the checkpoints. A last attempt runs to
@@ -59,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kills", type=int, help="SIGKILLs to deliver (default 20; 4 with --quick)")
     p.add_argument("--train-iters", type=int, help="RL steps of the run (default: 3 per kill + 6)")
     p.add_argument("--seed", type=int, default=0, help="of the kill schedule (the run's own seed is the example's)")
+    p.add_argument("--sglang", action="store_true",
+                   help="generate with a real SGLang server, and kill it once in every attempt")
     p.add_argument("--keep-last-n-checkpoints", type=int, default=2, help="the run's checkpoint retention (default 2)")
     p.add_argument("--output-dir", default=None, help="default outputs/soak (outputs/soak-quick with --quick)")
     return p
@@ -81,6 +88,19 @@ def rank_pids(token: str) -> dict[int, int]:
         if runs_train and b"RANK" in env:
             candidates[pid] = (int(env[b"RANK"]), parent)
     return {rank: pid for pid, (rank, parent) in candidates.items() if parent not in candidates}
+
+
+def server_pids(token: str) -> list[int]:
+    """The run's SGLang servers (`sglang.launch_server` processes; not the processes they start)."""
+    servers = []
+    for pid in processes_with_env(MARKER, token):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"sglang.launch_server" in f.read() and os.getpgid(pid) == pid:  # it leads its session
+                    servers.append(pid)
+        except OSError:
+            continue
+    return servers
 
 
 def logged_step(metrics_path: str) -> int:
@@ -132,8 +152,9 @@ class Soak:
         self.rng = random.Random(args.seed)
         retention = ["--keep-last-n-checkpoints", str(args.keep_last_n_checkpoints)] \
             if args.keep_last_n_checkpoints else []
+        backend = ["--rollout-backend", "sglang"] if args.sglang else []
         self.flags = [*RUN_FLAGS, "--train-iters", str(args.train_iters), "--save", self.ckpt, *retention,
-                      *args.extra]
+                      *backend, *args.extra]
         self.records: list[dict] = []
         self.disk_max = 0
         self.pending_recovery: dict | None = None  # the last kill, until the next attempt logs a later step
@@ -163,6 +184,21 @@ class Soak:
             if proc.poll() is not None:
                 return proc.returncode
             time.sleep(0.1)
+
+    def kill_server(self, proc: subprocess.Popen, last_logged: int) -> int | None:
+        """Once the attempt has logged a step beyond `last_logged`, SIGKILL its SGLang server's process group at a
+        random moment of the next steps. Returns the last step logged at the kill, or None if the attempt ended
+        (at its failpoint) first."""
+        if self.watch(proc, until_step=last_logged) is not None:
+            return None
+        time.sleep(self.rng.uniform(0.0, 2.0))
+        servers = server_pids(self.token)
+        if not servers:
+            raise RuntimeError("--sglang: no SGLang server found in a run that logs steps")
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        return logged_step(os.path.join(self.run_dir, "metrics.jsonl"))
 
     def kill_from_outside(self, proc: subprocess.Popen, kind: str, last_logged: int) -> None:
         """Once the attempt has logged a step beyond `last_logged` (the last step logged before it: a resumed run
@@ -194,15 +230,17 @@ class Soak:
         failpoint = f"{kind}:{target}" if target is not None else None
         start = time.time()
         proc, log_path = self.start(number, failpoint)
-        if kind in EXTERNAL:
-            self.kill_from_outside(proc, kind, last_logged)
+        server_killed_at_step = self.kill_server(proc, last_logged) if self.args.sglang else None
+        if kind in EXTERNAL:  # after the server kill, once the attempt has logged a step since
+            self.kill_from_outside(proc, kind, max(last_logged, server_killed_at_step or 0))
         code = self.watch(proc)
         killed_at = time.time()
         left = wait_until_gone(MARKER, self.token, GONE_TIMEOUT_S)
         self.disk_max = max(self.disk_max, disk_bytes(self.ckpt))
         record = {"attempt": number, "kill": failpoint or kind, "resumed_from": resumed_from, "exit_code": code,
                   "last_step_logged": logged_step(os.path.join(self.run_dir, "metrics.jsonl")),
-                  "seconds": round(killed_at - start, 1), "processes_left": left, "log": log_path}
+                  "seconds": round(killed_at - start, 1), "processes_left": left, "log": log_path,
+                  "server_killed_at_step": server_killed_at_step}
         if kind is None:
             if code != 0:
                 raise RuntimeError(f"the last attempt (no kill) failed with exit code {code}; see {log_path}")
@@ -237,6 +275,7 @@ class Soak:
             "processes_left": sum(len(r["processes_left"]) for r in self.records),
             "checkpoint_disk_max_bytes": self.disk_max, "checkpoint_bytes": disk_bytes(iteration),
             "keep_last_n_checkpoints": self.args.keep_last_n_checkpoints,
+            "server_kills": sum(r["server_killed_at_step"] is not None for r in self.records),
             "accounting": figures, "attempts": self.records,
         }
         with open(os.path.join(self.out, "soak.json"), "w") as f:
