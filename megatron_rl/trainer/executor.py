@@ -115,10 +115,11 @@ class TrainerExecutor:
         return self.handlers[name](payload)
 
     def _finish_publish(self) -> None:
-        """Wait for this rank's last DDMA sends: they read the parameters, which must not change before."""
-        if self._publishing is not None:
-            self._publishing.wait()
-            self._publishing = None
+        """Wait for this rank's last DDMA sends: they read the parameters, which must not change before. A failed
+        publish raises here once (not again from `stop`, on the way out)."""
+        publishing, self._publishing = self._publishing, None
+        if publishing is not None:
+            publishing.wait()
 
     # ---- handlers -------------------------------------------------------------------------------------------------
     def _train(self, batch):
