@@ -1,66 +1,85 @@
 """What a run did with its prompts, from its own records: `account(output_dir)` reads the ledger
 (rollouts.jsonl), the step metrics (metrics.jsonl) and the final report (eval.json) and checks that
 
-- every RL prompt was dispatched once, and each of its samples was trained on or discarded (with a reason) once,
-  or is still in flight or held at the end (the counts eval.json reports);
+- every RL prompt dispatch's samples were each trained on or discarded (with a reason) once, or the prompt is
+  still in flight or held at the end (the counts eval.json reports); a prompt is dispatched again only after its
+  previous dispatch was consumed (a file dataset's next epoch);
 - samples lost in flight at a crash were generated again with the reason recorded (`resent` rows), and no
   sample was trained on twice;
 - the ledger agrees with the controller's own state (the prompts it counts as dispatched, the samples it
   counts as consumed);
-- steps are contiguous from 1 and weight versions strictly increase.
+- steps are contiguous from 1 and each publishes the next weight version (a skipped update, none).
 
 Any run can be accounted for, crashed and resumed or not (a resume cuts both logs back to its checkpoint).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections import Counter, defaultdict
+from collections import Counter
 
 
 def _rows(path: str) -> list[dict]:
+    """The rows of a JSONL log, less a last line torn by a crash (the next resume drops it too)."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    rows = [json.loads(line) for line in lines[:-1]]
+    with contextlib.suppress(json.JSONDecodeError):
+        rows += [json.loads(line) for line in lines[-1:]]
+    return rows
 
 
 def account(output_dir: str) -> dict:
     """The figures (JSON-ready) and `problems`: one line per broken rule, empty when everything is accounted for."""
+    missing = [name for name in ("rollouts.jsonl", "metrics.jsonl", "eval.json")
+               if not os.path.isfile(os.path.join(output_dir, name))]
+    if missing:  # eval.json is written last: a run that crashed and was not resumed has none
+        return {"problems": [f"{output_dir}: no {', '.join(missing)}: not the output of a finished run"]}
     ledger = _rows(os.path.join(output_dir, "rollouts.jsonl"))
     steps = [m for m in _rows(os.path.join(output_dir, "metrics.jsonl")) if "rollout" in m]  # not evaluations
     with open(os.path.join(output_dir, "eval.json")) as f:
         final = json.load(f)
     problems = []
 
-    dispatches = Counter(r["prompt_id"] for r in ledger if r["event"] == "dispatched")
-    samples = {r["prompt_id"]: r["samples"] for r in ledger if r["event"] == "dispatched"}
-    twice = sorted(pid for pid, n in dispatches.items() if n > 1)
-    if twice:
-        problems.append(f"{len(twice)} prompts dispatched more than once (e.g. {twice[:3]})")
+    # The ledger in order: a dispatch opens its prompt's samples, each is then consumed (trained on or discarded)
+    # once. A prompt may be dispatched again once its samples are all consumed (a file dataset's next epoch).
+    dispatches, pending, size = Counter(), {}, {}  # prompt id -> times dispatched; samples not yet consumed; of them
+    again_in_flight, reused, strangers = set(), set(), set()
+    for r in ledger:
+        pid = r["prompt_id"]
+        if r["event"] == "dispatched":
+            if pending.get(pid):
+                again_in_flight.add(pid)
+            dispatches[pid] += 1
+            pending[pid] = set(range(r["samples"])) if isinstance(r["samples"], int) else set(r["samples"])
+            size[pid] = len(pending[pid])
+        elif r["event"] in ("trained", "discarded"):
+            if pid not in dispatches:
+                strangers.add(pid)
+            elif r["sample_index"] in pending[pid]:
+                pending[pid].discard(r["sample_index"])
+            else:
+                reused.add((pid, r["sample_index"]))
+    for what, found in (("prompts dispatched again while in flight", again_in_flight),
+                        ("samples consumed more than once", reused),
+                        ("prompts consumed but never dispatched", strangers)):
+        if found:
+            problems.append(f"{len(found)} {what} (e.g. {sorted(found)[:3]})")
     if len(dispatches) != final["prompts_dispatched"]:
         problems.append(f"the ledger has {len(dispatches)} prompts dispatched, the controller counted "
                         f"{final['prompts_dispatched']}")
-
-    consumed = [r for r in ledger if r["event"] in ("trained", "discarded")]
-    uses = Counter((r["prompt_id"], r["sample_index"]) for r in consumed)
-    reused = sorted(key for key, n in uses.items() if n > 1)
-    if reused:
-        problems.append(f"{len(reused)} samples consumed more than once (e.g. {reused[:3]})")
-    strangers = sorted({pid for pid, _ in uses} - set(dispatches))
-    if strangers:
-        problems.append(f"{len(strangers)} prompts consumed but never dispatched (e.g. {strangers[:3]})")
-    by_prompt = defaultdict(set)
-    for pid, k in uses:
-        by_prompt[pid].add(k)
-    complete = [pid for pid in dispatches if by_prompt[pid] == set(range(samples[pid]))]
-    partial = sorted(pid for pid in dispatches if by_prompt[pid] and pid not in complete)
+    untouched = [pid for pid, left in pending.items() if left and len(left) == size[pid]]
+    partial = sorted(pid for pid, left in pending.items() if left and pid not in untouched)
     if partial:
         problems.append(f"{len(partial)} prompts with only some samples consumed (e.g. {partial[:3]})")
     open_at_end = final["prompts_in_flight_at_end"] + final.get("prompts_held_at_end", 0)
-    unaccounted = len(dispatches) - len(complete) - open_at_end
-    if unaccounted:
-        problems.append(f"{unaccounted} prompts dispatched but neither consumed nor in flight or held at the end")
+    if len(untouched) != open_at_end:
+        problems.append(f"{len(untouched) - open_at_end} prompts dispatched but neither consumed nor in flight or "
+                        f"held at the end")
 
+    consumed = [r for r in ledger if r["event"] in ("trained", "discarded")]
     trained = sum(r["event"] == "trained" for r in consumed)
     if steps and steps[-1]["train"]["consumed_samples"] != trained:
         problems.append(f"the ledger has {trained} samples trained on, the controller counted "
@@ -68,15 +87,18 @@ def account(output_dir: str) -> dict:
     step_ids = [m["step"] for m in steps]
     if step_ids != list(range(1, len(steps) + 1)):
         problems.append(f"steps are not contiguous from 1: {step_ids}")
-    versions = [m["train"]["weight_version"] for m in steps]
-    if any(b <= a for a, b in zip(versions, versions[1:])):
-        problems.append(f"weight versions do not strictly increase: {versions}")
+    # each step publishes a new version, but a skipped update (NaN/Inf gradient, counted in skipped_steps) none
+    versions = [(m["train"]["weight_version"], m["train"].get("skipped_steps", 0)) for m in steps]
+    if any(v1 - v0 != 1 - (s1 - s0) for (v0, s0), (v1, s1) in zip(versions, versions[1:])):
+        problems.append(f"weight versions do not advance one per step (less skipped updates): {versions}")
     if final.get("train_iters") is not None and step_ids and step_ids[-1] != final["train_iters"]:
         problems.append(f"the last step logged is {step_ids[-1]}, the run was to take {final['train_iters']}")
 
     resent = [r for r in ledger if r["event"] == "resent"]
     return {
-        "steps": len(steps), "prompts_dispatched": len(dispatches), "prompts_consumed": len(complete),
+        "steps": len(steps), "prompts_dispatched": len(dispatches),
+        "prompts_dispatched_again": sum(n > 1 for n in dispatches.values()),
+        "prompt_dispatches_consumed": sum(dispatches.values()) - sum(bool(left) for left in pending.values()),
         "prompts_open_at_end": open_at_end, "samples_trained": trained,
         "samples_discarded": dict(Counter(r["outcome"] for r in consumed if r["event"] == "discarded")),
         "samples_generated_again": len(resent),

@@ -403,7 +403,8 @@ class Controller:
             "prompts_dispatched": len(self.dispatched), "discards": dict(self.buffer.discards),
             "prompts_dispatched_more_than_once": sum(c > 1 for c in self.dispatched.values()),
             "prompts_in_flight_at_end": len(self.inflight), "controlled_lag": args.controlled_lag,
-            "prompts_held_at_end": sum(len(b.groups) for b in self.held)})
+            # kept and discarded groups alike: their ledger rows are written when their batch is released
+            "prompts_held_at_end": sum(len({r.prompt_id for r, _ in b.seen["outcomes"]}) for b in self.held)})
 
     def shutdown(self) -> None:
         """Stop the generators, drop what they still send until each says it stopped, close the logs."""

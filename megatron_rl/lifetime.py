@@ -8,7 +8,7 @@ nothing would stop them: they are re-parented to init and keep their memory, por
   dies (Linux PR_SET_PDEATHSIG).
 - `reap_when_gone`, for everything else: the rank marks its environment with a token that every process it
   executes inherits, and starts a small watcher process that, once the rank is gone, kills every process carrying
-  the token and, when the rank leads its process group (a torchrun worker does), every process of that group
+  the token and, when the rank leads its session (a torchrun worker does), every process of its group
   (forked children, which show their parent's environment as it was at its start, without the token). The
   watcher acts once it has been re-parented, that is once the rank is gone, whether killed or at the end of a
   normal exit.
@@ -34,7 +34,7 @@ OWNER_ENV = "MEGATRON_RL_PROCESS_OWNER"
 # are dead already, and only their parent can remove them.
 _WATCHER = r"""
 import ctypes, os, signal, sys, time
-token, group, parent = sys.argv[1].encode(), int(sys.argv[2]), os.getppid()
+token, group, parent = sys.argv[1].encode(), int(sys.argv[2]), int(sys.argv[3])
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
 ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGUSR1)  # 1 = PR_SET_PDEATHSIG
 while os.getppid() == parent:
@@ -91,8 +91,10 @@ def reap_when_gone() -> None:
         return
     token = f"{os.getpid()}-{uuid.uuid4().hex}"
     os.environ[OWNER_ENV] = token
-    group = os.getpid() if os.getpgid(0) == os.getpid() else 0
-    _watcher = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, f"{OWNER_ENV}={token}", str(group)],
+    group = os.getpid() if os.getsid(0) == os.getpid() else 0  # a session's leader (a torchrun worker) leads its
+    # process group too; a group leader in a shell's pipeline (`... | tee log`) does not own the others
+    _watcher = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, f"{OWNER_ENV}={token}", str(group),
+                                 str(os.getpid())],  # a rank gone before the watcher starts: its parent is not it
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
 
 

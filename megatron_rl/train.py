@@ -8,11 +8,10 @@ import sys
 
 def main(argv=None) -> int:
     from megatron_rl.arguments import parse_args
-    from megatron_rl.lifetime import die_with_parent, reap_when_gone
+    from megatron_rl.lifetime import die_with_parent
 
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()  # a killed torchrun takes its workers with it (they run in sessions of their own)
-    reap_when_gone()  # and whatever this rank starts dies with it
     args = parse_args(argv)
     try:
         if args.dry_run:
@@ -33,10 +32,12 @@ def run(args) -> None:
 
     from megatron_rl.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
     from megatron_rl.device import select_device
+    from megatron_rl.lifetime import reap_when_gone
     from megatron_rl.roles import init_roles
     from megatron_rl.run_setup import build_run_setup
 
     setup = build_run_setup(args, int(os.environ.get("WORLD_SIZE", "1")))
+    reap_when_gone()  # whatever this rank starts from here on dies with it
     # A generator rank of an SGLang replica computes nothing itself: its server has the replica's GPUs, and DDMA
     # lands in the rank's host memory, which the server copies from (see README, "SGLang generators").
     sglang_rank = args.rollout_backend == "sglang" and int(os.environ.get("RANK", "0")) >= setup.trainer.world_size

@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 
+from megatron_rl.accounting import account
 from megatron_rl.arguments import parse_args
 from megatron_rl.buffer import Rollout, RolloutBuffer
 from megatron_rl.controller import Controller
@@ -307,6 +308,7 @@ def test_a_resume_keeps_the_held_batches_and_the_lag(tmp_path):
     assert second.dispatched.most_common(1)[0][1] == 1
     report = json.loads((tmp_path / "eval.json").read_text())
     assert (report["controlled_lag"], report["prompts_held_at_end"]) == (3, 6)
+    assert account(str(tmp_path))["problems"] == []  # the held batches' prompts are open at the end, not lost
     # a resume with another lag is refused before any work
     assert check_checkpoint(str(ckpt), second.spec, second.layout.transformer_impl, controlled_lag=3) == 6
     for lag, saying in ((1, "this run has --controlled-lag 1"), (None, "this run has no --controlled-lag")):

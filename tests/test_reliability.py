@@ -141,16 +141,56 @@ def _a_sample_lost(rows):
     return [r for r in rows if r is not lost]
 
 
+def _dispatched_twice(rows):
+    first = next(i for i, r in enumerate(rows) if r["event"] == "dispatched")
+    return rows[:first + 1] + [rows[first]] + rows[first + 1:]
+
+
 def _never_dispatched(rows):
     first = next(r for r in rows if r["event"] == "dispatched")
     return [r for r in rows if r is not first]
+
+
+def _versions_from_step_5_one_less(out, skipped):
+    rows = _rows(out / "metrics.jsonl")
+    for m in rows:
+        if "rollout" in m and m["step"] >= 5:
+            m["train"]["weight_version"] -= 1
+            m["train"]["skipped_steps"] += skipped
+    return rows
+
+
+def test_a_skipped_update_is_not_a_broken_version_sequence(crashed_and_resumed, tmp_path):
+    out, _, _, _ = crashed_and_resumed
+    for name in ("rollouts.jsonl", "eval.json"):
+        (tmp_path / name).write_bytes((out / name).read_bytes())
+    rows = _versions_from_step_5_one_less(out, skipped=1)  # step 5's update skipped (NaN/Inf): no version 6
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert account(str(tmp_path))["problems"] == []
+
+
+def test_a_prompt_dispatched_again_after_it_was_consumed_is_accounted_for(crashed_and_resumed, tmp_path):
+    """As a file dataset's next epoch does: the prompt's earlier samples were all consumed, the new dispatch is open
+    at the end."""
+    out, _, _, _ = crashed_and_resumed
+    (tmp_path / "metrics.jsonl").write_bytes((out / "metrics.jsonl").read_bytes())
+    rows = _rows(out / "rollouts.jsonl")
+    again = next(r for r in rows if r["event"] == "dispatched")
+    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + [again]))
+    final = json.loads((out / "eval.json").read_text())
+    final["prompts_in_flight_at_end"] += 1
+    (tmp_path / "eval.json").write_text(json.dumps(final))
+    figures = account(str(tmp_path))
+    assert figures["problems"] == [] and figures["prompts_dispatched_again"] == 1
 
 
 @pytest.mark.parametrize("damage, problem", [
     (_trained_twice, "samples consumed more than once"),
     (_a_sample_lost, "prompts with only some samples consumed"),
     (_never_dispatched, "prompts consumed but never dispatched"),
+    (_dispatched_twice, "prompts dispatched again while in flight"),
     ("drop step 5", "steps are not contiguous from 1"),
+    ("step 5 publishes nothing", "weight versions do not advance one per step"),
 ])
 def test_the_accounting_names_what_a_broken_run_would_leave(crashed_and_resumed, tmp_path, damage, problem):
     out, _, _, _ = crashed_and_resumed
@@ -158,6 +198,8 @@ def test_the_accounting_names_what_a_broken_run_would_leave(crashed_and_resumed,
         (tmp_path / name).write_bytes((out / name).read_bytes())
     if damage == "drop step 5":
         path, rows = tmp_path / "metrics.jsonl", [m for m in _rows(out / "metrics.jsonl") if m.get("step") != 5]
+    elif damage == "step 5 publishes nothing":
+        path, rows = tmp_path / "metrics.jsonl", _versions_from_step_5_one_less(out, skipped=0)
     else:
         path, rows = tmp_path / "rollouts.jsonl", damage(_rows(out / "rollouts.jsonl"))
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

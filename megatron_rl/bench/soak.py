@@ -22,8 +22,9 @@ After each kill it waits for the run's processes to be gone and counts those lef
 starts carries a marker in its environment), and measures the disk used by the checkpoints. A last attempt runs to
 the end. Then `megatron_rl.accounting` checks, from the run's own records, that every prompt was consumed once
 (or its samples generated again, with the reason), that no sample was trained on twice, that steps are
-contiguous and weight versions monotone. Time lost per kill: from the kill to the moment the resumed run logs a
-step beyond the last one logged before it (restart, reload and redone steps).
+contiguous and weight versions advance one per step. Time lost per kill: from the kill (for a failpoint: the end
+of the attempt, which follows it within torchrun's teardown) to the moment a later attempt logs a step beyond the
+last one logged before the kill (restart, reload and redone steps, and any kill in between).
 
 Writes OUTPUT_DIR/soak.json (and the run in OUTPUT_DIR/run, its checkpoints in OUTPUT_DIR/checkpoints, each
 attempt's output in OUTPUT_DIR/attempt-NN.log); exits 1 if anything is unaccounted for or left behind.
@@ -96,7 +97,7 @@ def server_pids(token: str) -> list[int]:
     for pid in processes_with_env(MARKER, token):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"sglang.launch_server" in f.read() and os.getpgid(pid) == pid:  # it leads its session
+                if b"sglang.launch_server" in f.read() and os.getpgid(pid) == pid:  # it leads its process group
                     servers.append(pid)
         except OSError:
             continue
@@ -157,7 +158,7 @@ class Soak:
                       *backend, *args.extra]
         self.records: list[dict] = []
         self.disk_max = 0
-        self.pending_recovery: dict | None = None  # the last kill, until the next attempt logs a later step
+        self.pending_recovery: list[dict] = []  # kills whose loss is not made good yet (a later step not logged)
 
     def start(self, attempt: int, failpoint: str | None) -> tuple[subprocess.Popen, str]:
         env = {**child_env(self.run_dir), MARKER: self.token}
@@ -176,9 +177,9 @@ class Soak:
         metrics = os.path.join(self.run_dir, "metrics.jsonl")
         while True:
             step = logged_step(metrics)
-            if self.pending_recovery and step > self.pending_recovery["last_step_logged"]:
-                self.pending_recovery["seconds_lost"] = round(time.time() - self.pending_recovery["killed_at"], 2)
-                self.pending_recovery = None
+            for kill in [k for k in self.pending_recovery if step > k["last_step_logged"]]:
+                kill["seconds_lost"] = round(time.time() - kill["killed_at"], 2)
+                self.pending_recovery.remove(kill)
             if until_step is not None and step > until_step:
                 return None
             if proc.poll() is not None:
@@ -200,25 +201,30 @@ class Soak:
                 os.killpg(pid, signal.SIGKILL)
         return logged_step(os.path.join(self.run_dir, "metrics.jsonl"))
 
-    def kill_from_outside(self, proc: subprocess.Popen, kind: str, last_logged: int) -> None:
+    def kill_from_outside(self, proc: subprocess.Popen, kind: str, last_logged: int) -> float | None:
         """Once the attempt has logged a step beyond `last_logged` (the last step logged before it: a resumed run
         first redoes the steps after its checkpoint), wait a random moment of the next steps (generation,
-        training, DDMA) and SIGKILL the rank `kind` names, or every process of the run (`kill-all`)."""
+        training, DDMA) and SIGKILL the rank `kind` names, or every process of the run (`kill-all`). Returns the
+        time of the kill, or None if the attempt ended first."""
         if self.watch(proc, until_step=last_logged) is not None:
-            return  # it ended first (a failure: reported by the caller)
+            return None
         time.sleep(self.rng.uniform(0.0, 2.0))
+        killed_at = time.time()
         if kind == "kill-all":  # as a lost node: every process, including any started meanwhile
-            while victims := processes_with_env(MARKER, self.token):
+            deadline = time.monotonic() + GONE_TIMEOUT_S
+            while (victims := processes_with_env(MARKER, self.token)) and time.monotonic() < deadline:
                 for pid in victims:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-            return
+                time.sleep(0.05)
+            return killed_at
         rank = int(kind[-1])
         pid = rank_pids(self.token).get(rank)
         if pid is None:
             raise RuntimeError(f"{kind}: no process of rank {rank} found in a run that logs steps")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+        return killed_at
 
     def attempt(self, number: int, kind: str | None) -> dict:
         resumed_from = checkpoint_step(self.ckpt)
@@ -231,15 +237,17 @@ class Soak:
         start = time.time()
         proc, log_path = self.start(number, failpoint)
         server_killed_at_step = self.kill_server(proc, last_logged) if self.args.sglang else None
+        killed_at = None
         if kind in EXTERNAL:  # after the server kill, once the attempt has logged a step since
-            self.kill_from_outside(proc, kind, max(last_logged, server_killed_at_step or 0))
+            killed_at = self.kill_from_outside(proc, kind, max(last_logged, server_killed_at_step or 0))
         code = self.watch(proc)
-        killed_at = time.time()
+        ended_at = time.time()
+        killed_at = killed_at or ended_at  # a failpoint: the rank killed itself just before the attempt ended
         left = wait_until_gone(MARKER, self.token, GONE_TIMEOUT_S)
         self.disk_max = max(self.disk_max, disk_bytes(self.ckpt))
         record = {"attempt": number, "kill": failpoint or kind, "resumed_from": resumed_from, "exit_code": code,
                   "last_step_logged": logged_step(os.path.join(self.run_dir, "metrics.jsonl")),
-                  "seconds": round(killed_at - start, 1), "processes_left": left, "log": log_path,
+                  "seconds": round(ended_at - start, 1), "processes_left": left, "log": log_path,
                   "server_killed_at_step": server_killed_at_step}
         if kind is None:
             if code != 0:
@@ -249,7 +257,7 @@ class Soak:
                                f"see {log_path}")
         else:
             record["killed_at"] = killed_at
-            self.pending_recovery = record
+            self.pending_recovery.append(record)
         self.records.append(record)
         return record
 

@@ -169,6 +169,7 @@ class TrainerExecutor:
                                 reference=None if self.reference is None else self.reference.module)
         # after Megatron's files: its save warns of an "incomplete / corrupted checkpoint" in a directory not empty
         checkpointing.save_rng(directory, dist.get_rank(), rng)
+        dist.barrier()  # every rank's files are written before rank 0 completes the iteration (checksums, rename)
         if dist.get_rank() == 0:  # the model beside its weights: the iteration exports to HF on its own
             self.description.write(directory, RL_FORMAT)
 
