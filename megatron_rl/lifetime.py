@@ -91,10 +91,12 @@ def reap_when_gone() -> None:
         return
     token = f"{os.getpid()}-{uuid.uuid4().hex}"
     os.environ[OWNER_ENV] = token
-    group = os.getpid() if os.getsid(0) == os.getpid() else 0  # a session's leader (a torchrun worker) leads its
-    # process group too; a group leader in a shell's pipeline (`... | tee log`) does not own the others
+    # A torchrun worker leads its session, and so its process group, whose other members are its forked children.
+    # A group leader in a shell's pipeline (`... | tee log`) does not own the pipeline's other processes.
+    group = os.getpid() if os.getsid(0) == os.getpid() else 0
+    # The rank's pid is passed: if the rank is gone before the watcher starts, the watcher's parent is not it.
     _watcher = subprocess.Popen([sys.executable, "-S", "-c", _WATCHER, f"{OWNER_ENV}={token}", str(group),
-                                 str(os.getpid())],  # a rank gone before the watcher starts: its parent is not it
+                                 str(os.getpid())],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
