@@ -121,18 +121,21 @@ def test_a_node_whose_peers_vanish_fails_within_the_timeout_naming_them(nodes, t
     alone, log_alone = _launch(space1, 1, tmp_path / "alone", *timeout, master=NOBODY, port=29501)
     _wait_for_line(log0, "SFT warm-up", node0, 300)
     _ip("-n", space0, "link", "set", interface0, "down")
-    os.killpg(node0.pid, signal.SIGKILL)
-    died = time.monotonic()
-    assert node1.wait(300) != 0
-    lost_after_s = time.monotonic() - died
-    text = open(log1).read()
-    assert "LostPeer: lost contact with rank 0 on node 0 of 2" in text, text[-3000:]
-    assert lost_after_s < 60 + 30, lost_after_s  # gloo's wait times out at 60 s; the rest is process exit
-    assert alone.wait(300) != 0
-    assert time.monotonic() - alone_started < 60 + 30
-    text = open(log_alone).read()
-    assert f"to connect to any network address of ({NOBODY}, 29501)" in text, text[-3000:]
-    node0.wait(60)
+    try:
+        os.killpg(node0.pid, signal.SIGKILL)
+        died = time.monotonic()
+        assert node1.wait(300) != 0
+        lost_after_s = time.monotonic() - died
+        text = open(log1).read()
+        assert "LostPeer: lost contact with rank 0 on node 0 of 2" in text, text[-3000:]
+        assert lost_after_s < 60 + 30, lost_after_s  # gloo's wait times out at 60 s; the rest is process exit
+        assert alone.wait(300) != 0
+        assert time.monotonic() - alone_started < 60 + 30
+        text = open(log_alone).read()
+        assert f"to connect to any network address of ({NOBODY}, 29501)" in text, text[-3000:]
+        node0.wait(60)
+    finally:  # the namespaces are shared by the module's tests
+        _ip("-n", space0, "link", "set", interface0, "up")
 
 
 # Small and quick (as tests/test_reliability.py's runs): this test is about losing a node and resuming, not learning.
