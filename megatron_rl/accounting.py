@@ -21,8 +21,9 @@ import os
 from collections import Counter
 
 
-def _rows(path: str) -> list[dict]:
-    """The rows of a JSONL log, less a last line torn by a crash (the next resume drops it too)."""
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of one of a run's JSONL logs, less a last line torn by a crash or still being written (the next
+    resume drops such a line too)."""
     with open(path) as f:
         lines = [line for line in f if line.strip()]
     rows = [json.loads(line) for line in lines[:-1]]
@@ -37,8 +38,8 @@ def account(output_dir: str) -> dict:
                if not os.path.isfile(os.path.join(output_dir, name))]
     if missing:  # eval.json is written last: a run that crashed and was not resumed has none
         return {"problems": [f"{output_dir}: no {', '.join(missing)}: not the output of a finished run"]}
-    ledger = _rows(os.path.join(output_dir, "rollouts.jsonl"))
-    steps = [m for m in _rows(os.path.join(output_dir, "metrics.jsonl")) if "rollout" in m]  # not evaluations
+    ledger = read_jsonl(os.path.join(output_dir, "rollouts.jsonl"))
+    steps = [m for m in read_jsonl(os.path.join(output_dir, "metrics.jsonl")) if "rollout" in m]  # not evaluations
     with open(os.path.join(output_dir, "eval.json")) as f:
         final = json.load(f)
     problems = []

@@ -12,10 +12,11 @@ import argparse
 import json
 import os
 
+from megatron_rl.accounting import read_jsonl
+
 
 def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def held_out_curve(rows: list[dict]) -> list[tuple[float, int, float]]:

@@ -15,11 +15,14 @@ import pytest
 from megatron_rl.lifetime import processes_with_env
 
 RANK = """
-import json, multiprocessing as mp, os, subprocess, sys, time
+import json, multiprocessing as mp, os, signal, subprocess, sys, time
 from megatron_rl.lifetime import reap_when_gone
 
+TEARDOWN_S = 1.0  # a rank's teardown (torch, gloo) after it closed its files; a watcher that acted early killed it here
+
 def forever():
-    time.sleep(3600)
+    while True:
+        signal.pause()
 
 if __name__ == "__main__":
     reap_when_gone()
@@ -28,14 +31,11 @@ if __name__ == "__main__":
     if forked == 0:
         os.closerange(3, 1024)  # it keeps none of the rank's files
         forever()
-    session = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
-    with open(sys.argv[1] + ".tmp", "w") as f:
-        json.dump([manager._process.pid, forked, session.pid], f)
-    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
-    while not os.path.exists(sys.argv[1] + ".exit"):  # the test checks the children, then lets the rank exit
-        time.sleep(0.1)
-    os.closerange(3, 1024)  # as a rank's teardown does (torch, gloo), some time before it is gone
-    time.sleep(1.0)
+    session = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True)
+    print(json.dumps([manager._process.pid, forked, session.pid]), flush=True)
+    sys.stdin.readline()  # the test checks the children, then lets the rank exit (or kills it)
+    os.closerange(3, 1024)
+    time.sleep(TEARDOWN_S)
 """
 
 
@@ -50,21 +50,24 @@ def _wait_for(condition, timeout_s: float, what: str):
 @pytest.mark.parametrize("end", ["killed", "exits"])
 def test_every_process_a_rank_started_dies_with_it(tmp_path, end):
     marker = uuid.uuid4().hex
-    script, pids_file = tmp_path / "rank.py", tmp_path / "pids.json"
+    script = tmp_path / "rank.py"
     script.write_text(RANK)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "LIFETIME_TEST": marker, "PYTHONPATH": root}
     # in a session of its own, as torchrun starts its workers
-    rank = subprocess.Popen([sys.executable, str(script), str(pids_file)], env=env, start_new_session=True)
+    rank = subprocess.Popen([sys.executable, str(script)], env=env, start_new_session=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     try:
-        _wait_for(pids_file.exists, 120, "the rank to start its children")
-        children = json.loads(pids_file.read_text())
+        started = rank.stdout.readline()  # the rank's message: its children's pids
+        assert started, f"the rank ended before starting its children (exit code {rank.wait()})"
+        children = json.loads(started)
         assert set(children) <= set(processes_with_env("LIFETIME_TEST", marker))  # alive, and found by the marker
         if end == "killed":
             rank.send_signal(signal.SIGKILL)
             assert rank.wait() == -signal.SIGKILL
         else:
-            (tmp_path / "pids.json.exit").touch()
+            rank.stdin.write("exit\n")
+            rank.stdin.flush()
             assert rank.wait() == 0  # its watcher waits for it to be gone, and does not end it early
         _wait_for(lambda: not processes_with_env("LIFETIME_TEST", marker), 30, "the rank's processes to go")
     finally:

@@ -44,7 +44,7 @@ import time
 import uuid
 
 from megatron_rl import failpoints
-from megatron_rl.accounting import account
+from megatron_rl.accounting import account, read_jsonl
 from megatron_rl.bench.example import EXAMPLE, child_env
 from megatron_rl.checkpointing import TRACKER_FILE
 from megatron_rl.lifetime import processes_with_env, wait_until_gone
@@ -105,20 +105,10 @@ def server_pids(token: str) -> list[int]:
 
 
 def logged_step(metrics_path: str) -> int:
-    """The last RL step in metrics.jsonl (0 before any); a line being written is skipped."""
-    step = 0
-    try:
-        with open(metrics_path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if "rollout" in row:
-                    step = max(step, row["step"])
-    except OSError:
-        pass
-    return step
+    """The last RL step in metrics.jsonl (0 before any)."""
+    if not os.path.isfile(metrics_path):
+        return 0
+    return max((row["step"] for row in read_jsonl(metrics_path) if "rollout" in row), default=0)
 
 
 def checkpoint_step(ckpt: str) -> int:
