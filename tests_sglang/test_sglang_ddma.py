@@ -1,7 +1,11 @@
 """DDMA into a real SGLang TP=2 engine: Megatron TP=2 trainer shards go point to point to the two generator
 ranks, each hands only its own SGLang TP rank's shards to the server, and the server then generates exactly
 what the built-in engine does from the same HF checkpoint. Before the first sync the engine refuses to
-report rollouts from its start-up (dummy) weights."""
+report rollouts from its start-up (dummy) weights. A server killed after the sync is restarted with both ranks'
+shards (the other rank's from the leader's view of its shared memory) and generates the same again."""
+
+import os
+import signal
 
 import torch
 from conftest import SPEC
@@ -47,6 +51,10 @@ def _trainer_tp2_to_sglang_tp2(model_dir, log_dir):
         stats = publish(plan, rank, version=1, engine=engine, transport=TorchDistTransport())
         if rank == 2:
             result["greedy"] = engine.generate(PROMPTS, SamplingParams(**GREEDY))
+            os.killpg(engine.server.process.pid, signal.SIGKILL)
+            engine.server.process.wait()
+            result["after_restart"] = engine.generate(PROMPTS, SamplingParams(**GREEDY))
+            result["restarts"] = engine.restarts
             engine.shutdown()
     result.update(received=stats.bytes_received, sent=stats.bytes_sent, planned=plan.bytes_received(rank),
                   total=sum(plan.bytes_received(r) for r in (2, 3)))
@@ -59,9 +67,10 @@ def test_ddma_from_megatron_tp2_into_sglang_tp2(model_b, tmp_path):
     leader, other = reports[2], reports[3]
     assert "weight version -1" in leader["before_sync"]
     want = LocalEngine.from_hf(model_b).generate(PROMPTS, SamplingParams(**GREEDY))
-    for got, ref in zip(leader["greedy"], want):
+    for got, ref in zip(leader["greedy"] + leader["after_restart"], want + want):
         assert got.token_ids == ref.token_ids and got.versions == [1] * len(got.token_ids)
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
+    assert leader["restarts"] == 1
     # each generator rank received its own shards only: about half of the model each, as planned
     for report in (leader, other):
         assert report["received"] == report["planned"] < 0.75 * report["total"]

@@ -3,6 +3,7 @@ same greedy tokens and log-probs, the same log-prob convention for sampled token
 resume under new weights (retracted, or paused in place) with per-token versions, clear errors for a
 mismatched, unreachable or dead server."""
 
+import concurrent.futures as cf
 import json
 import os
 import signal
@@ -196,6 +197,32 @@ def test_a_server_that_dies_is_restarted_resynced_and_its_requests_rerun(engine,
     # re-run from its prompt under the re-sent weights (model B, version 1), not the disk's model A
     want = reference(model_b).generate([PROMPTS[2]], params)[0]
     assert out.request_id == "killed" and out.token_ids == want.token_ids and out.versions == [1] * 400
+
+
+def test_replies_that_arrived_before_a_kill_are_kept(engine, model_b):
+    """Short requests are answered, then the server is killed under a long one; all their replies are in when
+    the engine next steps (the long one's as a failed connection). The answered requests come out of that step,
+    only the killed one runs again: a batch is never short of a rollout (CI saw 15 of 16 once). This is the
+    server's second restart (the test above made the first): the weights' shared memory must outlive the
+    handles a restarted server used up (one reference each)."""
+    short = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    reruns = engine.rerun_requests
+    engine.add_request(PROMPTS[2], long, "killed")
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, short, f"answered-{i}")
+    replies = {rid: future for future, (rid, _, _) in engine._pending.items()}
+    cf.wait([f for rid, f in replies.items() if rid != "killed"])
+    os.killpg(engine.server.process.pid, signal.SIGKILL)
+    cf.wait([replies["killed"]])
+    first = engine.step(timeout_s=0)
+    assert sorted(o.request_id for o in first) == [f"answered-{i}" for i in range(len(PROMPTS))]
+    assert engine.rerun_requests == reruns + 1
+    rest = []
+    while not rest:
+        rest = engine.step(timeout_s=1.0)
+    want = reference(model_b).generate([PROMPTS[2]], long)[0]  # the serving weights, re-sent at the restart
+    assert [o.request_id for o in rest] == ["killed"] and rest[0].token_ids == want.token_ids
 
 
 def test_a_server_that_keeps_dying_stops_with_its_log(model_a, tmp_path):

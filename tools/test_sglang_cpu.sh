@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real-SGLang test tier: build (or reuse) the SGLang CPU environment, then run tests_sglang/ in it.
 # Exits non-zero on any failure. About 4 minutes to build the environment the first time (3 GB), then
-# about 12 minutes of tests on 2 CPU cores (the soak on SGLang 3.5 of them). Extra arguments go to pytest.
+# about 15 minutes of tests on 2 CPU cores (the soak on SGLang 3.5 of them). Extra arguments go to pytest.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 venv="${SGLANG_VENV:-$repo/.venv-sglang}"

@@ -172,8 +172,9 @@ class SGLangEngine:
 
         Faults: a server that exits, drops a request, or finishes nothing for `stall_timeout_s` while
         requests are pending and then fails a health check is restarted (launched servers only), given the
-        current weights again (every rank keeps its last shards for that) and sent the unfinished requests
-        again from their prompts; after `max_restarts` restarts the next fault is raised."""
+        current weights again (the leader keeps every rank's last shards mapped for that) and sent the unfinished
+        requests again from their prompts; replies that arrived before the fault are kept. After `max_restarts`
+        restarts the next fault is raised."""
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in ("1", "true"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would report log-probs before "
                              f"temperature, but the trainer's importance weights assume {LOGPROB_CONVENTION!r}")
@@ -196,7 +197,10 @@ class SGLangEngine:
         self._pool = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-request")
         self._pending: dict[cf.Future, tuple[str, list[int], dict]] = {}
         self._staged: dict[str, torch.Tensor] | None = None
-        self._serving: tuple[dict[str, torch.Tensor], list[str]] | None = None  # last shards and all ranks' handles
+        # What a restarted server is given (see `end_weight_update`): this rank's serving shards, and on the leader
+        # every rank's, each as a handle to send again (CUDA) or as shards to make new handles from (CPU).
+        self._own_shards: list[tuple[str, torch.Tensor]] | None = None
+        self._serving: list[str | list[tuple[str, torch.Tensor]]] | None = None
         self._last_progress = time.monotonic()
         # CPU tensors travel as shared-memory file names, which a process that is not our child can open.
         torch.multiprocessing.set_sharing_strategy("file_system")
@@ -236,13 +240,13 @@ class SGLangEngine:
             self._last_progress = time.monotonic()
             return []
         done, _ = cf.wait(list(self._pending), timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
-        try:
-            if not done and not self.paused:
+        if not done and not self.paused:
+            try:
                 self._check_alive()
-            outputs = [self._collect(f) for f in done]
-        except SGLangServerError as fault:
-            self._recover(fault)
-            return []
+            except SGLangServerError as fault:
+                self._recover(fault)
+                return []
+        outputs = self._collect_done(done)
         if outputs:
             self._last_progress = time.monotonic()
         return outputs
@@ -257,11 +261,23 @@ class SGLangEngine:
                                         f"its health check: {e}") from e
             self._last_progress = time.monotonic()  # slow but healthy: look again after another timeout
 
-    def _collect(self, future: cf.Future) -> RolloutOutput:
-        request_id, prompt, _ = self._pending[future]
-        response = future.result()  # a server fault raises here and leaves the request pending, to run again
-        del self._pending[future]
-        return parse_generate_response(request_id, prompt, response, self.routes)
+    def _collect_done(self, futures) -> list[RolloutOutput]:
+        """The outputs of finished requests. Replies that arrived are kept even when others among them failed
+        (a server killed after answering some): the server is then restarted and only the failed requests run
+        again (see `_recover`)."""
+        outputs, fault = [], None
+        for future in futures:
+            request_id, prompt, _ = self._pending[future]
+            try:
+                response = future.result()
+            except SGLangServerError as e:
+                fault = fault or e  # the request stays pending, to run again
+                continue
+            del self._pending[future]
+            outputs.append(parse_generate_response(request_id, prompt, response, self.routes))
+        if fault is not None:
+            self._recover(fault)
+        return outputs
 
     def _survive(self, call) -> bool:
         """Run a control call to the server; if the server died meanwhile, restart it (see `_recover`) and
@@ -288,7 +304,7 @@ class SGLangEngine:
         self._pending.clear()
         self.server.start()
         if self._serving is not None:
-            self._post_weights(self._serving[1], self.weight_version)
+            self._post_weights(_handles(self._serving), self.weight_version)
         if self.paused:  # mid weight update: the requests wait in SGLang's queue for continue_generation
             self.server.post("/pause_generation", {"mode": "retract"})
         for request_id, prompt, body in pending:
@@ -316,7 +332,8 @@ class SGLangEngine:
     def pause(self, mode: str = "retract") -> list[RolloutOutput]:
         """"retract": in-flight requests go back to SGLang's queue with their tokens, to resume after
         `continue_generation`. "in_place": they stay in SGLang's running batch with their KV cache. "abort": they
-        end now; their partial outputs are returned."""
+        end now; their partial outputs are returned (those a dying server lost run again from their prompts after
+        `continue_generation`)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self.pause_mode = mode
@@ -326,7 +343,7 @@ class SGLangEngine:
         self._survive(lambda: self.server.post("/pause_generation", {"mode": mode}))
         if mode != "abort":
             return []
-        return [self._collect(f) for f in cf.wait(list(self._pending)).done]
+        return self._collect_done(cf.wait(list(self._pending)).done)
 
     def continue_generation(self) -> None:
         self.pause_mode = None
@@ -354,25 +371,31 @@ class SGLangEngine:
 
         if self._staged is None:
             raise RuntimeError("end_weight_update without begin_weight_update")
-        staged, self._staged = stack_experts(self._staged), None
-        handle = MultiprocessingSerializer.serialize(list(staged.items()), output_str=True)
-        handles = self._gather(handle)
+        shards, self._staged = list(stack_experts(self._staged).items()), None
+        # Every rank keeps its shards, for a restarted server. A CUDA handle (IPC) can be opened again while they
+        # live. A CPU handle (a shared-memory file name) holds one reference to the file, taken over by the process
+        # that opens it: so every rank makes a second one, which the leader opens to keep the shards mapped (no
+        # copy) and make new handles from at each restart.
+        on_cpu = all(tensor.device.type == "cpu" for _, tensor in shards)
+        handles = [MultiprocessingSerializer.serialize(shards, output_str=True) for _ in range(2 if on_cpu else 1)]
+        gathered = self._gather(handles)
         status = [None]
         if self.is_leader:
+            serving = [MultiprocessingSerializer.deserialize(h[1]) if len(h) == 2 else h[0] for h in gathered]
             try:
-                if not self._survive(lambda: self._post_weights(handles, version)):
-                    self._post_weights(handles, version)  # into the restarted server
+                if not self._survive(lambda: self._post_weights([h[0] for h in gathered], version)):
+                    self._post_weights(_handles(serving), version)  # into the restarted server
             except SGLangServerError as e:
                 status[0] = str(e)
         _share_from_leader(status, self.group)
         if status[0] is not None:
             raise SGLangServerError(f"SGLang weight update to version {version} failed: {status[0]}")
         self.weight_version = version
-        if self.is_leader and self.server.process is not None and failpoints.armed("sglang-server-crash", version):
-            os.killpg(self.server.process.pid, signal.SIGKILL)  # crash tests: a launched server dies here
-        # The server copied every shard; this rank keeps its own (one copy of its shard in host memory) so that a
-        # restarted server can be given the serving weights without the trainer.
-        self._serving = (staged, handles)
+        self._own_shards = shards
+        if self.is_leader:
+            self._serving = serving
+            if self.server.process is not None and failpoints.armed("sglang-server-crash", version):
+                os.killpg(self.server.process.pid, signal.SIGKILL)  # crash tests: a launched server dies here
 
     def _post_weights(self, handles: list[str], version: int) -> None:
         self.server.post("/begin_weight_update", {})
@@ -384,11 +407,12 @@ class SGLangEngine:
         if not result.get("success"):
             raise SGLangServerError(f"update_weights_from_tensor: {result.get('message', result)}")
 
-    def _gather(self, handle: str) -> list[str]:
+    def _gather(self, obj):
+        """Every rank's `obj`, in rank order, on the leader (None on the other ranks)."""
         if self.group is None or dist.get_world_size(self.group) == 1:
-            return [handle]
+            return [obj]
         out = [None] * dist.get_world_size(self.group) if self.is_leader else None
-        dist.gather_object(handle, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
         return out
 
     def abort_weight_update(self) -> None:
@@ -405,6 +429,15 @@ class SGLangEngine:
 # batch in flight at an in-place pause after the update, labelling its token (sampled by the old weights) with
 # the new version (found by tests_sglang/test_sglang_engine.py).
 IN_PLACE_SERVER_FLAGS = {"disable_radix_cache": True, "disable_overlap_schedule": True}
+
+
+def _handles(serving: list[str | list[tuple[str, torch.Tensor]]]) -> list[str]:
+    """update_weights_from_tensor's handles, one per TP rank, for a server started again: a CUDA handle as it
+    was, a new one to CPU shards (see `SGLangEngine.end_weight_update`)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    return [rank if isinstance(rank, str) else MultiprocessingSerializer.serialize(rank, output_str=True)
+            for rank in serving]
 
 
 def _share_from_leader(box: list, group) -> None:
