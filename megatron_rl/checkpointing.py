@@ -135,7 +135,8 @@ def weights_directory(directory: str, iteration: int | None = None, flag: str = 
     """The directory whose `megatron_rl.json` describes the weights to read: in an RL checkpoint directory (the
     tracker, written by --save), the iteration `iteration` or else the latest; a Megatron checkpoint of weights
     (`megatron_rl.json`: tools/convert_hf_to_megatron.py's output, or one iteration of an RL checkpoint) is its
-    own. Errors name `flag` (and --iteration), both kinds of directory, and what is missing."""
+    own. An RL checkpoint's iteration is checked against its checksums.json (`verify_files`). Errors name
+    `flag` (and --iteration), both kinds of directory, and what is missing or damaged."""
     if not os.path.isdir(directory):
         raise ValueError(f"{flag} {directory!r}: no such directory")
     if os.path.isfile(os.path.join(directory, TRACKER_FILE)):
@@ -149,11 +150,14 @@ def weights_directory(directory: str, iteration: int | None = None, flag: str = 
         if not os.path.isfile(os.path.join(path, META_FILE)):
             raise ValueError(f"{flag} {directory!r}: {os.path.basename(path)} has no {META_FILE} (saved by a "
                              "megatron-rl version that did not describe the model beside its weights)")
+        verify_files(path, f"{flag} {directory!r}")
         return path
     if os.path.isfile(os.path.join(directory, META_FILE)):
         if iteration is not None:
             raise ValueError(f"--iteration {iteration}: {flag} {directory!r} is a Megatron checkpoint of one set of "
                              f"weights ({META_FILE}), not an RL checkpoint with iterations; drop --iteration")
+        if os.path.isfile(os.path.join(directory, CHECKSUMS_FILE)):  # one iteration of an RL checkpoint
+            verify_files(directory, f"{flag} {directory!r}")
         return directory
     raise ValueError(f"{flag} {directory!r} is neither an RL checkpoint ({TRACKER_FILE} and iter_NNNNNNN/, "
                      f"written by --save) nor a Megatron checkpoint of weights ({META_FILE}, written by "
@@ -269,8 +273,6 @@ def check_initial_weights(directory: str, spec: ModelSpec, transformer_impl: str
         if not os.path.isfile(os.path.join(dist_dir, "metadata.json")):
             raise ValueError(f"{flag} {directory!r}: {dist_dir} is not a complete distributed checkpoint "
                              "(no metadata.json)")
-        if os.path.isfile(os.path.join(path, CHECKSUMS_FILE)):  # an RL checkpoint's iteration
-            verify_files(path, f"{flag} {directory!r}")
         safe_load.check_index(dist_dir, f"{flag} {directory!r}")
     else:
         try:

@@ -8,6 +8,7 @@ all-reduce: ~1e-7 per op; a layout error moves logits by > 1e-2)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -316,6 +317,23 @@ def test_a_missing_iteration_and_a_directory_of_neither_kind_are_named(rl_traine
     assert "is neither an RL checkpoint (latest_checkpointed_iteration.txt" in r.stderr, r.stderr
     assert "nor a Megatron checkpoint of weights (megatron_rl.json" in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_damaged_rl_checkpoint_is_refused_before_anything_is_written(rl_trained, tmp_path):
+    """The converter checks the iteration against its checksums.json, whether given the RL checkpoint directory or
+    the iteration itself: a file of the same size with one byte changed is named."""
+    save = tmp_path / "ckpt"
+    shutil.copytree(rl_trained["save"], save)
+    iteration = next(save.glob("iter_*"))
+    victim = max((p for p in iteration.rglob("*.distcp")), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(data)
+    for load in (save, iteration):
+        r = _tool("convert_megatron_to_hf.py", "--load", str(load), "--save", str(tmp_path / "x"))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"{victim} does not match its checksum" in r.stderr, r.stderr
+        assert not (tmp_path / "x").exists()
 
 
 def _dry_run(capsys, *flags):
