@@ -15,10 +15,8 @@ import pytest
 from megatron_rl.lifetime import processes_with_env
 
 RANK = """
-import json, multiprocessing as mp, os, signal, subprocess, sys, time
+import json, multiprocessing as mp, os, signal, subprocess, sys
 from megatron_rl.lifetime import reap_when_gone
-
-TEARDOWN_S = 1.0  # a rank's teardown (torch, gloo) after it closed its files; a watcher that acted early killed it here
 
 def forever():
     while True:
@@ -34,8 +32,8 @@ if __name__ == "__main__":
     session = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True)
     print(json.dumps([manager._process.pid, forked, session.pid]), flush=True)
     sys.stdin.readline()  # the test checks the children, then lets the rank exit (or kills it)
+    # As a rank's teardown does, it closes its files before it is gone; its exit then shuts the Manager down.
     os.closerange(3, 1024)
-    time.sleep(TEARDOWN_S)
 """
 
 
