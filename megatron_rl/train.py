@@ -7,15 +7,15 @@ import sys
 
 
 def main(argv=None) -> int:
-    from megatron_rl.arguments import parse_args
-    from megatron_rl.lifetime import die_with_parent
+    from megatron_rl.config.arguments import parse_args
+    from megatron_rl.runtime.lifetime import die_with_parent
 
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()  # a killed torchrun takes its workers with it (they run in sessions of their own)
     args = parse_args(argv)
     try:
         if args.dry_run:
-            from megatron_rl.dry_run import main as dry_run
+            from megatron_rl.config.dry_run import main as dry_run
 
             return dry_run(args)
         run(args)
@@ -30,11 +30,11 @@ def run(args) -> None:
     controller beside the trainer executor; then run until the controller says stop."""
     import torch.distributed as dist
 
-    from megatron_rl.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
-    from megatron_rl.device import select_device
-    from megatron_rl.lifetime import reap_when_gone
-    from megatron_rl.roles import init_roles
-    from megatron_rl.run_setup import build_run_setup
+    from megatron_rl.config.setup import build_run_setup
+    from megatron_rl.runtime.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
+    from megatron_rl.runtime.device import select_device
+    from megatron_rl.runtime.lifetime import reap_when_gone
+    from megatron_rl.runtime.roles import init_roles
 
     setup = build_run_setup(args, int(os.environ.get("WORLD_SIZE", "1")))
     reap_when_gone()  # whatever this rank starts from here on dies with it
@@ -53,7 +53,7 @@ def run(args) -> None:
 
         trainer = TrainerExecutor(setup, roles)
         if roles.is_controller:
-            from megatron_rl.controller import Controller
+            from megatron_rl.controller.loop import Controller
 
             try:  # whatever happens, the other trainer ranks are released from serve()
                 setup.tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))

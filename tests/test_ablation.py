@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from megatron_rl.bench import ablation, ablation_report
-from megatron_rl.bench.ablation_summary import (
+from megatron_rl.bench.ablation import report, study
+from megatron_rl.bench.ablation.summary import (
     instability_events,
     mean_curve,
     spread,
@@ -132,12 +132,12 @@ def test_the_reading_says_the_claim_reproduces_only_when_a_correction_is_above_o
     # resolution 0.5 / sqrt(400) = 0.025
     reproduced = _summary({(0, "reinforce"): [0.7, 0.72], (0, "aipo"): [0.71, 0.72],
                            (4, "reinforce"): [0.5, 0.55], (4, "aipo"): [0.6, 0.66]})
-    text = ablation_report.reading(reproduced)
+    text = report.reading(reproduced)
     assert any(s.startswith("The claim reproduces here: at the largest lag (4) aipo") for s in text)
     assert any("losses that end lower at lag 4 than at lag 0 on every seed: reinforce, aipo" in s for s in text)
     close = _summary({(0, "reinforce"): [0.7, 0.72], (0, "aipo"): [0.71, 0.72],
                       (4, "reinforce"): [0.5, 0.55], (4, "aipo"): [0.56, 0.66]})  # apart by 0.01 < 0.025
-    text = ablation_report.reading(close)
+    text = report.reading(close)
     assert any(s.startswith("The claim does not reproduce here") for s in text)
     assert any("ranges overlap: aipo" in s for s in text)
 
@@ -145,7 +145,7 @@ def test_the_reading_says_the_claim_reproduces_only_when_a_correction_is_above_o
 def test_the_reading_does_not_judge_the_claim_when_rl_did_not_learn_and_names_small_kl():
     stalled = _summary({(0, "reinforce"): [0.41], (0, "aipo"): [0.4], (2, "reinforce"): [0.4], (2, "aipo"): [0.4]},
                        kl=0.001)
-    text = ablation_report.reading(stalled)
+    text = report.reading(stalled)
     assert any(s.startswith("The claim is not judged: at lag 0 RL did not raise") for s in text)
     assert any("< 0.01: the importance weights stay near 1" in s for s in text)
     assert any(s.startswith("1 seed") for s in text)
@@ -154,7 +154,7 @@ def test_the_reading_does_not_judge_the_claim_when_rl_did_not_learn_and_names_sm
 def test_docs_are_written_from_a_summary(tmp_path):
     summary = _summary({(0, "reinforce"): [0.7, 0.72], (0, "aipo"): [0.71, 0.72],
                         (4, "reinforce"): [0.5, 0.55], (4, "aipo"): [0.6, 0.66]})
-    md, png = ablation_report.write_docs(summary, str(tmp_path / "docs"))
+    md, png = report.write_docs(summary, str(tmp_path / "docs"))
     text = open(md).read()
     assert "| aipo | 0.715 [0.710, 0.720] | 0.630 [0.600, 0.660] |" in text  # the accuracy table: loss x lag
     assert "HUMAN READING" in text and "400 distinct problems" in text and "`python -m megatron_rl.bench" in text
@@ -164,14 +164,14 @@ def test_docs_are_written_from_a_summary(tmp_path):
 # ---- the command line and the resume -----------------------------------------------------------------------------
 
 def test_quick_defaults_explicit_flags_and_train_flags_after_the_separator(tmp_path):
-    args = ablation.parse_args(["--quick", "--lags", "2", "0", "--output-dir", str(tmp_path), "--", "--lr", "1e-4"])
+    args = study.parse_args(["--quick", "--lags", "2", "0", "--output-dir", str(tmp_path), "--", "--lr", "1e-4"])
     assert (args.lags, args.losses, args.seeds, args.train_iters) == ([0, 2], ["aipo", "reinforce"], [1], 6)
     assert args.extra == ["--lr", "1e-4"]
-    flags = ablation.rl_flags(args, 2, "aipo", 1)
+    flags = study.rl_flags(args, 2, "aipo", 1)
     assert flags[flags.index("--controlled-lag") + 1] == "2" and flags[flags.index("--max-staleness") + 1] == "2"
     assert flags[flags.index("--load-hf") + 1] == os.path.join(str(tmp_path), "warmup", "seed1", "hf", "iter_0000000")
     assert flags.index("--lr") < flags.index("--loss")  # extra flags override the example's, never the grid's
-    full = ablation.parse_args([])
+    full = study.parse_args([])
     assert full.lags == [0, 1, 2, 4, 8] and full.seeds == [1, 2, 3] and full.train_iters is None
 
 
@@ -179,18 +179,18 @@ def test_quick_defaults_explicit_flags_and_train_flags_after_the_separator(tmp_p
                                   ["--lags", "1", "1"], ["--eval-interval", "0"]])
 def test_flags_that_would_change_the_grid_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
-        ablation.parse_args(argv)
+        study.parse_args(argv)
     assert "error" in capsys.readouterr().err
 
 
 def test_a_finished_run_is_skipped_and_one_of_other_flags_is_refused(tmp_path):
     record = {"recipe_sha256": "a", "flags": ["--loss", "aipo"]}
-    assert not ablation.is_done(str(tmp_path), record)  # no eval.json yet
+    assert not study.is_done(str(tmp_path), record)  # no eval.json yet
     (tmp_path / "eval.json").write_text("{}")
-    ablation.write_record(str(tmp_path), {**record, "command": "bash x", "launch_seconds": 3.0})
-    assert ablation.is_done(str(tmp_path), record)
-    with pytest.raises(ablation.AblationError, match="other flags"):
-        ablation.is_done(str(tmp_path), {**record, "flags": ["--loss", "ppo"]})
+    study.write_record(str(tmp_path), {**record, "command": "bash x", "launch_seconds": 3.0})
+    assert study.is_done(str(tmp_path), record)
+    with pytest.raises(study.AblationError, match="other flags"):
+        study.is_done(str(tmp_path), {**record, "flags": ["--loss", "ppo"]})
 
 
 FAKE_EXAMPLE = """import json, os, sys
@@ -219,9 +219,9 @@ def _fake_grid(tmp_path, monkeypatch, losses, fail=()):
     (tmp_path / "fake.py").write_text(FAKE_EXAMPLE)
     script = tmp_path / "fake.sh"
     script.write_text(f'exec "{sys.executable}" "{tmp_path / "fake.py"}" "$@"\n')
-    args = ablation.parse_args(["--quick", "--losses", *losses, "--output-dir", str(tmp_path / "out")])
+    args = study.parse_args(["--quick", "--losses", *losses, "--output-dir", str(tmp_path / "out")])
     monkeypatch.setenv("FAIL_LOSSES", " ".join(fail))
-    return args, str(script), ablation.run_grid(args, str(script))
+    return args, str(script), study.run_grid(args, str(script))
 
 
 def test_the_grid_runs_each_seed_warm_up_first_records_later_failures_and_resumes(tmp_path, monkeypatch, capsys):
@@ -231,7 +231,7 @@ def test_the_grid_runs_each_seed_warm_up_first_records_later_failures_and_resume
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[ablation] ")]
     assert lines[0].startswith("[ablation] 1/5 warm-up seed 1:") and "ETA" in lines[0]
     assert lines[1].startswith("[ablation] 2/5 lag 0 aipo seed 1:") and lines[-1].startswith("[ablation] 5/5")
-    summary = ablation.build_summary(args, ["--quick"], script, grid, {
+    summary = study.build_summary(args, ["--quick"], script, grid, {
         "commit": None, "machine": {}, "wall_seconds": 1.0, "load_average": {"start": [0.0], "end": [0.0]}})
     assert [(c["lag"], c["loss"]) for c in summary["cells"]] == [(0, "aipo"), (2, "aipo")]
     assert summary["runs"][1]["kl_behavior_current"] == pytest.approx(0.02)  # steps 3..6, at the full lag
@@ -241,7 +241,7 @@ def test_the_grid_runs_each_seed_warm_up_first_records_later_failures_and_resume
 
 
 def test_a_failure_before_any_run_succeeded_stops_the_ablation(tmp_path, monkeypatch):
-    with pytest.raises(ablation.RunFailed, match="exit status 3"):
+    with pytest.raises(study.RunFailed, match="exit status 3"):
         _fake_grid(tmp_path, monkeypatch, ["ppo", "aipo"], fail=["ppo"])
 
 

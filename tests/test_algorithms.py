@@ -370,7 +370,7 @@ def test_a_registered_loss_is_selectable_and_the_readme_example_is_aipo(monkeypa
 
 def test_flag_choices_are_the_registries_names():
     from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, POLICY_LOSSES
-    from megatron_rl.arguments import build_parser
+    from megatron_rl.config.arguments import build_parser
     from megatron_rl.rollout.backends import ENGINE_BACKENDS
 
     actions = {a.dest: a for a in build_parser()._actions}

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from megatron_rl.channels import Channel
-from megatron_rl.multinode import LostPeer, lost_peer
+from megatron_rl.runtime.channels import Channel
+from megatron_rl.runtime.multinode import LostPeer, lost_peer
 
 
 def test_a_silent_sender_is_named_when_a_receive_from_any_rank_times_out(monkeypatch):

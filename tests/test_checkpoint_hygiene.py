@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl import checkpointing, checksums, safe_load
+from megatron_rl.checkpoint import checksums, rl_checkpoint, safe_load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,13 +41,13 @@ def _draws():
 def test_rng_states_round_trip_exactly_and_load_weights_only(tmp_path):
     torch.manual_seed(3), random.seed(3), np.random.seed(3)
     random.gauss(0, 1), np.random.standard_normal()  # leave a cached Gaussian in both (a part of their state)
-    checkpointing.save_rng(str(tmp_path), 0)
+    rl_checkpoint.save_rng(str(tmp_path), 0)
     expected = _draws()
     torch.manual_seed(99), random.seed(99), np.random.seed(99)
-    checkpointing.load_rng(str(tmp_path), 0)
+    rl_checkpoint.load_rng(str(tmp_path), 0)
     assert _draws() == expected
     # plain values and tensors only: torch alone (without the classes megatron.core allow-lists on import) reads it
-    path = checkpointing.rng_file(str(tmp_path), 0)
+    path = rl_checkpoint.rng_file(str(tmp_path), 0)
     r = subprocess.run([sys.executable, "-c", f"import torch; torch.load({path!r}, weights_only=True)"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -58,28 +58,28 @@ def test_the_device_rng_state_is_saved_and_restored_when_there_is_one(tmp_path, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: device_state["now"].clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: device_state.update(now=s))
-    checkpointing.save_rng(str(tmp_path), 3)
+    rl_checkpoint.save_rng(str(tmp_path), 3)
     saved = device_state["now"]
     device_state["now"] = torch.zeros(16, dtype=torch.uint8)
-    checkpointing.load_rng(str(tmp_path), 3)
+    rl_checkpoint.load_rng(str(tmp_path), 3)
     assert torch.equal(device_state["now"], saved)
 
 
 def test_a_rank_without_a_saved_state_keeps_its_own(tmp_path):
-    checkpointing.save_rng(str(tmp_path), 0)
+    rl_checkpoint.save_rng(str(tmp_path), 0)
     torch.manual_seed(5)
     before = torch.get_rng_state()
-    checkpointing.load_rng(str(tmp_path), 1)
+    rl_checkpoint.load_rng(str(tmp_path), 1)
     assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_a_pickle_that_runs_code_is_refused_as_the_rng_file(tmp_path):
     marker = tmp_path / "ran"
-    path = checkpointing.rng_file(str(tmp_path), 0)
+    path = rl_checkpoint.rng_file(str(tmp_path), 0)
     os.makedirs(os.path.dirname(path))
     torch.save({"torch": _RunsCode(marker)}, path)
     with pytest.raises(ValueError, match=r"rng/rank00000\.pt is not an RNG state file .* refused"):
-        checkpointing.load_rng(str(tmp_path), 0)
+        rl_checkpoint.load_rng(str(tmp_path), 0)
     assert not marker.exists()
     # the file does run code under a load that is not weights-only (the check above is not vacuous)
     torch.load(path, weights_only=False)
@@ -216,20 +216,20 @@ class _Trainer:
         for fname in ("metadata.json", "__0_0.distcp", "common.pt"):
             with open(os.path.join(path, fname), "wb") as f:
                 f.write(os.urandom(1000))
-        checkpointing.save_rng(path, 0)
+        rl_checkpoint.save_rng(path, 0)
 
 
 def _save(directory, steps, keep):
     for step in steps:
-        checkpointing.save_rl_checkpoint(str(directory), step, _Trainer(), {"buffer": {}, "inflight": {}, "model": {}},
+        rl_checkpoint.save_rl_checkpoint(str(directory), step, _Trainer(), {"buffer": {}, "inflight": {}, "model": {}},
                                          keep_last=keep)
 
 
 def _loadable(directory):
     """The start-up checks of what a resume reads: the tracker's iteration, its state and every file's checksum."""
-    step = checkpointing.latest_checkpoint_step(str(directory))
-    checkpointing.read_rl_state(str(directory), step)
-    checkpointing.verify_files(checkpointing.iteration_dir(str(directory), step), "--load")
+    step = rl_checkpoint.latest_checkpoint_step(str(directory))
+    rl_checkpoint.read_rl_state(str(directory), step)
+    rl_checkpoint.verify_files(rl_checkpoint.iteration_dir(str(directory), step), "--load")
     return step
 
 
@@ -239,26 +239,26 @@ def test_retention_keeps_the_newest_n_complete_iterations(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000008", "iter_0000010", "latest_checkpointed_iteration.txt"]
     assert _loadable(tmp_path) == 10
     _save(tmp_path, [12], keep=1)
-    assert checkpointing.saved_iterations(str(tmp_path)) == [12]
+    assert rl_checkpoint.saved_iterations(str(tmp_path)) == [12]
 
 
 def test_an_iteration_without_checksums_does_not_count_as_complete(tmp_path):
     _save(tmp_path, [2, 4, 6], keep=None)
     (tmp_path / "iter_0000004" / checksums.CHECKSUMS_FILE).unlink()  # damaged by hand, or of an older format
-    assert checkpointing.prune_checkpoints(str(tmp_path), 2) == [4]
-    assert checkpointing.saved_iterations(str(tmp_path)) == [2, 6]
+    assert rl_checkpoint.prune_checkpoints(str(tmp_path), 2) == [4]
+    assert rl_checkpoint.saved_iterations(str(tmp_path)) == [2, 6]
 
 
 def test_without_the_flag_every_iteration_is_kept(tmp_path):
     _save(tmp_path, [1, 2, 3], keep=None)
-    assert checkpointing.saved_iterations(str(tmp_path)) == [1, 2, 3]
+    assert rl_checkpoint.saved_iterations(str(tmp_path)) == [1, 2, 3]
 
 
 def test_retention_never_deletes_the_trackers_iteration_nor_newer_ones(tmp_path):
     _save(tmp_path, [2, 4, 6, 8], keep=None)
-    checkpointing.publish_tracker(str(tmp_path), 4)  # a run resumed from step 4 (6 and 8 are its abandoned future)
-    assert checkpointing.prune_checkpoints(str(tmp_path), 1) == [2]
-    assert checkpointing.saved_iterations(str(tmp_path)) == [4, 6, 8] and _loadable(tmp_path) == 4
+    rl_checkpoint.publish_tracker(str(tmp_path), 4)  # a run resumed from step 4 (6 and 8 are its abandoned future)
+    assert rl_checkpoint.prune_checkpoints(str(tmp_path), 1) == [2]
+    assert rl_checkpoint.saved_iterations(str(tmp_path)) == [4, 6, 8] and _loadable(tmp_path) == 4
 
 
 @pytest.mark.parametrize("where", ["after the rename", "in the middle of deleting files"])
@@ -272,7 +272,7 @@ def test_a_crash_during_retention_leaves_a_loadable_directory(tmp_path, monkeypa
         if where == "after the rename" and name == "checkpoint-retention":
             raise Crash
 
-    real_rmtree = checkpointing.shutil.rmtree
+    real_rmtree = rl_checkpoint.shutil.rmtree
 
     def crash_in_rmtree(path, *args, **kwargs):
         if where == "in the middle of deleting files" and path.endswith(".deleting"):
@@ -281,12 +281,12 @@ def test_a_crash_during_retention_leaves_a_loadable_directory(tmp_path, monkeypa
             raise Crash
         real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing.failpoints, "crash", crash_at_point)
-    monkeypatch.setattr(checkpointing.shutil, "rmtree", crash_in_rmtree)
+    monkeypatch.setattr(rl_checkpoint.failpoints, "crash", crash_at_point)
+    monkeypatch.setattr(rl_checkpoint.shutil, "rmtree", crash_in_rmtree)
     with pytest.raises(Crash):
-        checkpointing.prune_checkpoints(str(tmp_path), 1)
+        rl_checkpoint.prune_checkpoints(str(tmp_path), 1)
     assert os.path.isdir(tmp_path / "iter_0000002.deleting")  # oldest first
-    assert checkpointing.saved_iterations(str(tmp_path)) == [4, 6]  # the half-deleted one is not complete
+    assert rl_checkpoint.saved_iterations(str(tmp_path)) == [4, 6]  # the half-deleted one is not complete
     assert _loadable(tmp_path) == 6
     monkeypatch.undo()
     _save(tmp_path, [8], keep=1)  # the next save's retention finishes the job
@@ -294,7 +294,7 @@ def test_a_crash_during_retention_leaves_a_loadable_directory(tmp_path, monkeypa
 
 
 def test_keep_last_n_checkpoints_is_validated(capsys):
-    from megatron_rl.arguments import parse_args
+    from megatron_rl.config.arguments import parse_args
 
     for argv, message in ((["--save", "x", "--keep-last-n-checkpoints", "0"], "--keep-last-n-checkpoints must be >= 1"),
                           (["--keep-last-n-checkpoints", "2"], "--keep-last-n-checkpoints needs --save")):

@@ -20,7 +20,7 @@ COMMON = [
 
 
 def _train(out_dir, *extra, timeout=300):
-    from megatron_rl.launch import free_port
+    from megatron_rl.runtime.spawn import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
            "-m", "megatron_rl.train", *COMMON, "--output-dir", str(out_dir), *extra]

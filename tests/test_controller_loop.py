@@ -12,15 +12,15 @@ from collections import Counter
 
 import pytest
 
-from megatron_rl.accounting import account
-from megatron_rl.arguments import parse_args
-from megatron_rl.buffer import Rollout, RolloutBuffer
-from megatron_rl.controller import Controller
+from megatron_rl.config.arguments import parse_args
+from megatron_rl.config.setup import RunSetup, model_spec
+from megatron_rl.controller.buffer import Rollout, RolloutBuffer
+from megatron_rl.controller.loop import Controller
 from megatron_rl.data.tokenizer import build_char_tokenizer
 from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
+from megatron_rl.observability.accounting import account
 from megatron_rl.rewards.result import RewardResult
 from megatron_rl.rollout.types import RequestMeta, RolloutOutput
-from megatron_rl.run_setup import RunSetup, model_spec
 
 TOKENIZER = build_char_tokenizer()
 LEADER = 1
@@ -287,7 +287,7 @@ def test_controlled_lag_trains_every_batch_exactly_k_versions_behind_after_a_ram
 
 
 def test_a_resume_keeps_the_held_batches_and_the_lag(tmp_path):
-    from megatron_rl.checkpointing import check_checkpoint
+    from megatron_rl.checkpoint.rl_checkpoint import check_checkpoint
 
     ckpt = tmp_path / "ckpt"
     flags = ("--controlled-lag", "3", "--save", str(ckpt), "--save-interval", "3")

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from megatron_rl.data.arithmetic import ArithmeticTask
 from megatron_rl.data.dataset import PromptDataset
 from megatron_rl.data.records import RecordFields
+from megatron_rl.data.tasks.arithmetic import ArithmeticTask
 from megatron_rl.data.tokenizer import build_char_tokenizer
 
 
@@ -192,8 +192,8 @@ def test_bad_parquet_rows_and_files_are_named(tmp_path):
 
 
 def test_a_chat_prompt_without_apply_chat_template_fails_at_start(tmp_path):
-    from megatron_rl.arguments import parse_args
-    from megatron_rl.data.source import PromptSource
+    from megatron_rl.config.arguments import parse_args
+    from megatron_rl.controller.prompt_source import PromptSource
 
     path = _write(tmp_path / "d.jsonl", [json.dumps({"question": "1+1?", "solution": "2"})]
                   + [json.dumps(r) for r in ROWS])

@@ -13,10 +13,10 @@ import torch
 from helpers import mismatched_generator_tensors, random_hf_weights
 
 from megatron_rl.ddma.plan import make_plan, summarize
-from megatron_rl.launch import run_on_ranks
 from megatron_rl.models import layout as L
 from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import get_model_spec
+from megatron_rl.runtime.spawn import run_on_ranks
 
 TINY = get_model_spec("tiny-llama").replace(name="tiny-v200", vocab_size=200)  # FP8: receiver quantizes
 ALIGNED = get_model_spec("tiny-qwen2").replace(name="aligned", hidden_size=256, num_attention_heads=2,
@@ -32,8 +32,8 @@ def _sync_all_cases(cases):
 
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
-    from megatron_rl.rollout.decoder import TPDecoder
-    from megatron_rl.rollout.engine import LocalEngine
+    from megatron_rl.rollout.local.decoder import TPDecoder
+    from megatron_rl.rollout.local.engine import LocalEngine
 
     rank = dist.get_rank()
     report = []
@@ -79,8 +79,8 @@ def _background_publish():
 
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
-    from megatron_rl.rollout.decoder import TPDecoder
-    from megatron_rl.rollout.engine import LocalEngine
+    from megatron_rl.rollout.local.decoder import TPDecoder
+    from megatron_rl.rollout.local.engine import LocalEngine
 
     plan = make_plan(TINY, TrainerLayout(1, 1, 1, dtype_bytes=4), GeneratorLayout(1, 1, first_rank=1))
     hf = random_hf_weights(TINY, seed=3)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from megatron_rl.ddma.transport import choose_transport
-from megatron_rl.device import DeviceId, backend_for, select_device
 from megatron_rl.models.fp8 import FP8_MAX, RowwiseFP8, quantize_block_fp8
 from megatron_rl.models.spec import get_model_spec
-from megatron_rl.rollout.decoder import TPDecoder
+from megatron_rl.rollout.local.decoder import TPDecoder
+from megatron_rl.runtime.device import DeviceId, backend_for, select_device
 
 TINY = get_model_spec("tiny-llama")
 
@@ -125,7 +125,7 @@ def _failed_update_keeps_serving():
     from megatron_rl.ddma.sync import publish
     from megatron_rl.models import layout as L
     from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
-    from megatron_rl.rollout.engine import LocalEngine
+    from megatron_rl.rollout.local.engine import LocalEngine
 
     class FailsVersion2(LocalEngine):
         def end_weight_update(self, version):
@@ -161,7 +161,7 @@ def _failed_update_keeps_serving():
 
 
 def test_a_failed_update_keeps_the_serving_weights_and_the_next_one_lands_whole():
-    from megatron_rl.launch import run_on_ranks
+    from megatron_rl.runtime.spawn import run_on_ranks
 
     _, gen = run_on_ranks(_failed_update_keeps_serving, 2, timeout_s=120)
     assert gen == {"v1": True, "error": "install failed", "version_after_failure": 1, "v1_after_failure": True,

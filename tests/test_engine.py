@@ -7,11 +7,11 @@ import pytest
 import torch
 from helpers import random_hf_weights
 
-from megatron_rl.launch import run_on_ranks
 from megatron_rl.models import layout as L
 from megatron_rl.models.hf import save_random_hf_model
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.rollout import LocalEngine, SamplingParams
+from megatron_rl.runtime.spawn import run_on_ranks
 
 LLAMA = get_model_spec("tiny-llama").replace(name="tiny-llama-v200", vocab_size=200)
 QWEN = get_model_spec("tiny-qwen2").replace(name="tiny-qwen2-tied", vocab_size=200, tie_word_embeddings=True)

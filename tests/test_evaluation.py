@@ -1,7 +1,7 @@
 """Evaluation figures from reward results: accuracy over scored samples, pass@n, failures counted apart (never
 a NaN), and eval.json's before / after / history per set."""
 
-from megatron_rl.evaluation import EvalSet, report, summarize
+from megatron_rl.controller.evaluation import EvalSet, report, summarize
 from megatron_rl.rewards.result import RewardResult
 
 RIGHT, WRONG = RewardResult(1.0, "scored"), RewardResult(0.0, "scored")
@@ -38,8 +38,8 @@ def test_report_has_before_after_and_history_per_set():
 def test_report_counts_distinct_problems_and_names_their_space():
     from types import SimpleNamespace
 
-    from megatron_rl.data.source import PromptSource
-    from megatron_rl.evaluation import eval_sets
+    from megatron_rl.controller.evaluation import eval_sets
+    from megatron_rl.controller.prompt_source import PromptSource
 
     args = SimpleNamespace(prompt_data=None, sft_data=None, seed=0, task_min_digits=1, task_max_digits=2,
                            task_operands=2, eval_size=50, eval_prompt_data=None)

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.launch import run_on_ranks
 from megatron_rl.models.hf import hf_config, save_random_hf_model
 from megatron_rl.models.layout import TrainerLayout
 from megatron_rl.models.spec import MODELS, ModelSpec, get_model_spec
+from megatron_rl.runtime.spawn import run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Vocab 200: padded to 256 at TP=1 and 512 at TP=2, so padding is exercised on export and import.
@@ -88,7 +88,7 @@ def _megatron_logits(source: str, from_megatron: bool, spec: ModelSpec, tp: int,
     from helpers import gather_vocab_parallel
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.conversion import MegatronCheckpoint
+    from megatron_rl.checkpoint.megatron_format import MegatronCheckpoint
     from megatron_rl.models.safetensors_io import HFCheckpoint
     from megatron_rl.trainer import parallel
     from megatron_rl.trainer.model import build_gpt_model
@@ -165,7 +165,7 @@ def test_bad_layout_and_existing_output_are_refused(tmp_path):
 
 
 def test_interrupted_export_leaves_nothing_that_looks_valid(tmp_path):
-    from megatron_rl import conversion as convert
+    from megatron_rl.checkpoint import megatron_format as convert
 
     hf_dir, meg = tmp_path / "hf", tmp_path / "meg"
     save_random_hf_model(LLAMA, hf_dir)
@@ -204,10 +204,10 @@ def _run_rank(flags, world, save, hf_export):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_rl import checkpointing
-    from megatron_rl.arguments import parse_args
-    from megatron_rl.roles import init_roles
-    from megatron_rl.run_setup import build_run_setup
+    from megatron_rl.checkpoint import rl_checkpoint
+    from megatron_rl.config.arguments import parse_args
+    from megatron_rl.config.setup import build_run_setup
+    from megatron_rl.runtime.roles import init_roles
     from megatron_rl.trainer.batch import TrainBatch
 
     setup = build_run_setup(parse_args(flags), world)
@@ -226,7 +226,7 @@ def _run_rank(flags, world, save, hf_export):
                                               [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(4)],
                                               [[-2.0] * 6] * 4, [1.0, -1.0, 0.5, -0.5])
             out["metrics"] = trainer.command("train", batch)
-            checkpointing.save_rl_checkpoint(save, 1, trainer, {"model": RUN_SPEC.weight_fields(), "buffer": {},
+            rl_checkpoint.save_rl_checkpoint(save, 1, trainer, {"model": RUN_SPEC.weight_fields(), "buffer": {},
                                                                 "inflight": {}, "transformer_impl": "local"})
             trainer.command("save_hf", hf_export)
             trainer.stop()
@@ -250,7 +250,7 @@ def rl_trained(tmp_path_factory):
     base = tmp_path_factory.mktemp("rl_trained")
     hf_dir, meg = base / "hf", base / "meg"
     hf_model = save_random_hf_model(RUN_SPEC, hf_dir, seed=6)
-    from megatron_rl.conversion import hf_to_megatron
+    from megatron_rl.checkpoint.megatron_format import hf_to_megatron
 
     hf_to_megatron(str(hf_dir), str(meg), TrainerLayout(1, 1), progress=False)
     with torch.no_grad():
@@ -363,7 +363,7 @@ def test_run_start_checks_of_load_megatron(rl_trained, tmp_path, capsys):
     (["--save-hf-interval", "-1"], "--save-hf-interval must be >= 0, got -1"),
 ])
 def test_export_and_initial_weight_flags_are_checked(flags, message, capsys):
-    from megatron_rl.arguments import parse_args
+    from megatron_rl.config.arguments import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(flags)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_trainer import SPEC, TEMPERATURE, _batch, _merge, _params
 
-from megatron_rl.launch import run_on_ranks
 from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.runtime.spawn import run_on_ranks
 from megatron_rl.trainer import parallel
 
 VOCAB_PADDED = 256  # SPEC's vocabulary 200, padded to a multiple of 128
@@ -138,7 +138,7 @@ def _layouts_rank(hf_dir, megatron_dir):
 
 
 def test_reference_logprobs_are_the_same_under_every_layout_and_checkpoint_format(tmp_path):
-    from megatron_rl.conversion import hf_to_megatron
+    from megatron_rl.checkpoint.megatron_format import hf_to_megatron
 
     hf_dir = _write_hf_dir(tmp_path / "hf", seed=0)
     megatron_dir = str(tmp_path / "megatron")
@@ -287,7 +287,7 @@ def test_kl_in_the_reward_shapes_the_advantages_as_verl_does(tmp_path):
 # ---- flags, the run setup and the dry run --------------------------------------------------------------------------
 
 def test_kl_loss_type_defaults_to_k3_in_the_loss_and_k1_in_the_reward():
-    from megatron_rl.arguments import parse_args
+    from megatron_rl.config.arguments import parse_args
 
     assert parse_args(["--kl-coef", "0.1"]).kl_loss_type == "k3"
     assert parse_args(["--kl-coef", "0.1", "--use-kl-in-reward"]).kl_loss_type == "k1"
@@ -295,9 +295,9 @@ def test_kl_loss_type_defaults_to_k3_in_the_loss_and_k1_in_the_reward():
 
 
 def _setup_with(*flags):
-    from megatron_rl.arguments import parse_args
+    from megatron_rl.config.arguments import parse_args
+    from megatron_rl.config.setup import build_run_setup
     from megatron_rl.data.tokenizer import build_char_tokenizer
-    from megatron_rl.run_setup import build_run_setup
 
     return build_run_setup(parse_args(["--model", "tiny-llama", "--kl-coef", "0.1", *flags]), 2,
                            tokenizer=build_char_tokenizer())
@@ -328,8 +328,8 @@ def test_a_bad_ref_load_fails_in_the_setup_naming_the_flag(tmp_path):
 
 
 def test_dry_run_counts_the_reference_weights(capsys):
-    from megatron_rl.arguments import parse_args
-    from megatron_rl.dry_run import dry_run, main
+    from megatron_rl.config.arguments import parse_args
+    from megatron_rl.config.dry_run import dry_run, main
 
     flags = ["--config", "llama3-8b", "--rollout-num-replicas", "8"]
     plain = dry_run(parse_args(flags), 16)["memory_per_gpu"]["trainer"]

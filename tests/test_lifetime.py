@@ -12,11 +12,11 @@ import uuid
 
 import pytest
 
-from megatron_rl.lifetime import processes_with_env
+from megatron_rl.runtime.lifetime import processes_with_env
 
 RANK = """
 import json, multiprocessing as mp, os, signal, subprocess, sys
-from megatron_rl.lifetime import reap_when_gone
+from megatron_rl.runtime.lifetime import reap_when_gone
 
 def forever():
     while True:

@@ -3,7 +3,7 @@
 import json
 import os
 
-from megatron_rl.logging import MetricsLogger, flatten
+from megatron_rl.observability.metrics import MetricsLogger, flatten
 
 
 def test_metrics_reach_jsonl_tensorboard_and_offline_wandb(tmp_path, monkeypatch):
@@ -25,7 +25,7 @@ def test_flatten_keeps_numbers_only():
 
 
 def test_plot_writes_a_png(tmp_path):
-    from megatron_rl.plot import plot
+    from megatron_rl.observability.plots import plot
 
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -49,7 +49,7 @@ def _eval_run(path, points):
 
 
 def test_baseline_comparison_finds_when_the_run_first_reached_the_baseline_final_accuracy(tmp_path):
-    from megatron_rl.plot import main, time_to_reach
+    from megatron_rl.observability.plots import main, time_to_reach
 
     _eval_run(tmp_path / "sync", [(10, 40.0, 0.6), (20, 80.0, 0.9)])
     _eval_run(tmp_path / "async", [(10, 25.0, 0.7), (20, 50.0, 0.92), (30, 75.0, 0.88)])
@@ -65,7 +65,7 @@ def test_baseline_comparison_finds_when_the_run_first_reached_the_baseline_final
 def test_console_lines_without_a_terminal_follow_log_interval(tmp_path):
     import io
 
-    from megatron_rl.logging import Progress
+    from megatron_rl.observability.metrics import Progress
 
     stream = io.StringIO()  # not a terminal: plain lines, no carriage returns
     progress = Progress(0, 5, "AIPO", interval=2, stream=stream)
@@ -78,7 +78,7 @@ def test_console_lines_without_a_terminal_follow_log_interval(tmp_path):
 
 
 def test_wandb_mode_follows_the_flag_then_the_environment_then_the_key(monkeypatch):
-    from megatron_rl.logging import wandb_mode
+    from megatron_rl.observability.metrics import wandb_mode
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -236,7 +236,7 @@ def test_registered_losses_add_up_across_microbatches_and_ignore_masked_tokens(n
     (["--aipo-rho", "0"], "--aipo-rho must be a positive finite number"),
 ])
 def test_bad_loss_flags_are_refused_naming_the_flag(flags, message, capsys):
-    from megatron_rl.arguments import parse_args
+    from megatron_rl.config.arguments import parse_args
 
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--model", "tiny-llama", *flags])
@@ -244,7 +244,7 @@ def test_bad_loss_flags_are_refused_naming_the_flag(flags, message, capsys):
 
 
 def test_loss_flags_reach_the_algorithm_config():
-    from megatron_rl.arguments import algorithm_config, parse_args
+    from megatron_rl.config.arguments import algorithm_config, parse_args
 
     config = algorithm_config(parse_args([
         "--model", "tiny-llama", "--loss", "decoupled-ppo", "--ppo-clip-eps", "0.1", "--ppo-clip-eps-high", "0.3",

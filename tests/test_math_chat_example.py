@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 def test_the_exported_policy_scores_what_the_run_scored(tmp_path):
-    from megatron_rl.launch import free_port
+    from megatron_rl.runtime.spawn import free_port
 
     out = tmp_path / "run"
     env = {**os.environ, "OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}

@@ -12,7 +12,6 @@ import torch
 from helpers import mismatched_generator_tensors, random_hf_weights
 
 from megatron_rl.ddma.plan import make_plan, summarize
-from megatron_rl.launch import run_on_ranks
 from megatron_rl.models import layout as L
 from megatron_rl.models.fp8 import is_fp8_weight
 from megatron_rl.models.hf import save_random_hf_model
@@ -20,7 +19,8 @@ from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.rollout import LocalEngine, SamplingParams
-from megatron_rl.rollout.decoder import TPDecoder
+from megatron_rl.rollout.local.decoder import TPDecoder
+from megatron_rl.runtime.spawn import run_on_ranks
 
 QWEN3 = get_model_spec("tiny-qwen3")
 MISTRAL = get_model_spec("tiny-mistral")  # sliding_window 8
@@ -259,7 +259,7 @@ def _ddma_cases(cases):
 
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
-    from megatron_rl.rollout.engine import LocalEngine
+    from megatron_rl.rollout.local.engine import LocalEngine
 
     rank = dist.get_rank()
     report = []

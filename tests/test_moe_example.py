@@ -16,7 +16,7 @@ STEPS = 60
 
 @pytest.mark.slow
 def test_tiny_moe_with_expert_parallelism_and_routing_replay_learns(tmp_path):
-    from megatron_rl.launch import free_port
+    from megatron_rl.runtime.spawn import free_port
 
     out = tmp_path / "run"
     env = {**os.environ, "OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}

@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.launch import run_on_ranks
 from megatron_rl.models.layout import TrainerLayout
 from megatron_rl.models.spec import get_model_spec
+from megatron_rl.runtime.spawn import run_on_ranks
 
 SPECS = {name: get_model_spec(name) for name in ("tiny-qwen3", "tiny-mistral", "tiny-qwen3-moe", "tiny-mixtral")}
 SPECS["tiny-qwen3-moe-nonorm"] = SPECS["tiny-qwen3-moe"].replace(name="tiny-qwen3-moe-nonorm", moe_norm_topk_prob=False)
@@ -134,7 +134,7 @@ def _train(hf_dir, ep, advantages, coeff, optimizer="adam", lr=1e-3, export=None
 
 def _load_dist(dist_dir, ep):
     """The distributed checkpoint read into a fresh model at EP=`ep` (Megatron-Core reshards the experts)."""
-    from megatron_rl.conversion import load_dist_model
+    from megatron_rl.checkpoint.megatron_format import load_dist_model
     from megatron_rl.trainer import parallel
     from megatron_rl.trainer.model import build_gpt_model
 
@@ -294,23 +294,23 @@ def test_a_resume_at_another_ep_is_refused_at_start(tmp_path):
     """Megatron-Core keeps the experts' optimizer state apart when EP > 1: it does not load into another EP."""
     import json
 
-    from megatron_rl import checkpointing, conversion
-    from megatron_rl.checksums import write_checksums
+    from megatron_rl.checkpoint import megatron_format, rl_checkpoint
+    from megatron_rl.checkpoint.checksums import write_checksums
 
     spec = SPECS[TRAIN]
     step = tmp_path / "iter_0000001"
     step.mkdir()
-    (tmp_path / checkpointing.TRACKER_FILE).write_text("1")
+    (tmp_path / rl_checkpoint.TRACKER_FILE).write_text("1")
     (step / "metadata.json").write_text("{}")
-    (step / checkpointing.RL_STATE_FILE).write_text(json.dumps({
-        "format": checkpointing.RL_STATE_FORMAT, "step": 1, "buffer": {}, "inflight": {},
+    (step / rl_checkpoint.RL_STATE_FILE).write_text(json.dumps({
+        "format": rl_checkpoint.RL_STATE_FORMAT, "step": 1, "buffer": {}, "inflight": {},
         "model": spec.weight_fields(), "transformer_impl": "local"}))
-    conversion.write_meta(str(step), conversion.RL_FORMAT, spec.to_hf_config(), torch.float32,
+    megatron_format.write_meta(str(step), megatron_format.RL_FORMAT, spec.to_hf_config(), torch.float32,
                           _layout(expert_model_parallel_size=2), [])
     write_checksums(str(step), "test")
-    assert checkpointing.check_checkpoint(str(tmp_path), spec, "local", expert_model_parallel_size=2) == 1
+    assert rl_checkpoint.check_checkpoint(str(tmp_path), spec, "local", expert_model_parallel_size=2) == 1
     with pytest.raises(ValueError, match=r"saved with --expert-model-parallel-size 2, this run uses 1"):
-        checkpointing.check_checkpoint(str(tmp_path), spec, "local", expert_model_parallel_size=1)
+        rl_checkpoint.check_checkpoint(str(tmp_path), spec, "local", expert_model_parallel_size=1)
 
 
 def test_a_distributed_checkpoint_at_ep2_loads_at_ep1(launched):
@@ -321,7 +321,7 @@ def test_a_distributed_checkpoint_at_ep2_loads_at_ep1(launched):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen3"])
 def test_hf_megatron_hf_round_trips_are_bit_identical(models, tmp_path, name):
-    from megatron_rl import conversion
+    from megatron_rl.checkpoint import megatron_format
 
     hf_dir = models[name][0]
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
@@ -334,14 +334,14 @@ def test_hf_megatron_hf_round_trips_are_bit_identical(models, tmp_path, name):
     for kwargs in layouts:
         layout = TrainerLayout(**kwargs)
         meg, back = tmp_path / "meg", tmp_path / "back"
-        conversion.hf_to_megatron(hf_dir, str(meg), layout, overwrite=True, progress=False)
+        megatron_format.hf_to_megatron(hf_dir, str(meg), layout, overwrite=True, progress=False)
         span = layout.expert_replica_span
-        expected = sorted(conversion.rank_file(t, p, d if span > 1 else None)
+        expected = sorted(megatron_format.rank_file(t, p, d if span > 1 else None)
                           for p in range(layout.pipeline_parallel_size) for t in range(layout.tensor_parallel_size)
                           for d in range(span))
         assert sorted(f for f in os.listdir(meg) if f.startswith("mp_rank")) == expected, kwargs
-        assert conversion.MegatronCheckpoint(str(meg)).layout == conversion.weights_layout(layout)
-        conversion.megatron_to_hf(str(meg), str(back), overwrite=True, progress=False)
+        assert megatron_format.MegatronCheckpoint(str(meg)).layout == megatron_format.weights_layout(layout)
+        megatron_format.megatron_to_hf(str(meg), str(back), overwrite=True, progress=False)
         restored = load_file(back / "model.safetensors")
         assert restored.keys() == original.keys(), kwargs
         for tensor in original:
@@ -351,9 +351,9 @@ def test_hf_megatron_hf_round_trips_are_bit_identical(models, tmp_path, name):
 # ---- refusals --------------------------------------------------------------------------------------------------------
 
 def _setup(world, *flags):
-    from megatron_rl.arguments import parse_args
+    from megatron_rl.config.arguments import parse_args
+    from megatron_rl.config.setup import build_run_setup
     from megatron_rl.data.tokenizer import build_char_tokenizer
-    from megatron_rl.run_setup import build_run_setup
 
     return build_run_setup(parse_args(list(flags)), world, tokenizer=build_char_tokenizer())
 

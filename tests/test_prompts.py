@@ -8,11 +8,11 @@ import queue
 
 import pytest
 
-from megatron_rl.arguments import parse_args
+from megatron_rl.config.arguments import parse_args
+from megatron_rl.config.setup import build_run_setup, load_tokenizer
 from megatron_rl.data.prompts import encode_prompt, stop_token_ids
 from megatron_rl.data.tokenizer import DEFAULT_CHARS, build_char_tokenizer
 from megatron_rl.models.spec import get_model_spec
-from megatron_rl.run_setup import build_run_setup, load_tokenizer
 
 SPECIAL = ["<|start|>", "<|sep|>", "<|eot|>"]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}<|sep|>{{ m['content'] }}<|eot|>"
@@ -139,7 +139,7 @@ def test_a_model_from_scratch_takes_the_tokenizers_vocabulary_padded_as_megatron
 
 
 def test_the_reward_stage_drops_every_stop_token(hf_dir):
-    from megatron_rl.rewards.stage import RewardStage
+    from megatron_rl.controller.reward_stage import RewardStage
     from megatron_rl.rollout.types import RequestMeta, RolloutOutput
 
     tok = load_tokenizer(parse_args(["--tokenizer", hf_dir]))
@@ -165,7 +165,7 @@ def test_the_reward_stage_drops_every_stop_token(hf_dir):
 
 
 def test_the_controller_sends_templated_prompts_with_every_stop_token(hf_dir, tmp_path):
-    from megatron_rl.controller import Controller
+    from megatron_rl.controller.loop import Controller
 
     records = [{"prompt": [{"role": "user", "content": f"{i}+1?"}], "answer": str(i + 1)} for i in range(4)]
     data = tmp_path / "d.jsonl"
@@ -199,7 +199,7 @@ def test_the_controller_sends_templated_prompts_with_every_stop_token(hf_dir, tm
 
 
 def test_sft_data_imitates_each_conversations_last_assistant_message(tmp_path):
-    from megatron_rl.data.source import PromptSource
+    from megatron_rl.controller.prompt_source import PromptSource
 
     chats = [[{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"\\boxed{{{i + 1}}}"}]
              for i in range(3)]
@@ -237,7 +237,7 @@ def test_the_word_problem_dataset_is_chat_shaped_disjoint_and_its_tokenizer_rend
 
     from transformers import AutoTokenizer
 
-    from megatron_rl.data.word_problems import write
+    from megatron_rl.data.tasks.word_problems import write
 
     write(str(tmp_path), train=300, eval_size=40, seed=0)
     rows = {s: [json.loads(line) for line in open(tmp_path / f"{s}.jsonl")] for s in ("train", "eval")}

@@ -12,10 +12,10 @@ import uuid
 
 import pytest
 
-from megatron_rl.accounting import account
-from megatron_rl.accounting import main as accounting_main
 from megatron_rl.algorithms import POLICY_LOSSES
-from megatron_rl.lifetime import wait_until_gone
+from megatron_rl.observability.accounting import account
+from megatron_rl.observability.accounting import main as accounting_main
+from megatron_rl.runtime.lifetime import wait_until_gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--sft-warmup-iters", "2", "--train-iters", "8", "--eval-size", "8", "--global-batch-size", "16",
@@ -25,8 +25,8 @@ MARKER = "MEGATRON_RL_RELIABILITY_RUN"  # in every process a launch starts: what
 
 
 def _start(out, *flags, failpoint=None):
-    from megatron_rl import failpoints
-    from megatron_rl.launch import free_port
+    from megatron_rl.runtime import failpoints
+    from megatron_rl.runtime.spawn import free_port
 
     env = {**os.environ, "OUTPUT_DIR": str(out), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            MARKER: uuid.uuid4().hex}
@@ -348,7 +348,7 @@ def _old_format(directory):
 
 def _edit_state(directory, **changes):
     """Change the RL state and its checksum (a consistent checkpoint of another model)."""
-    from megatron_rl.checksums import write_checksums
+    from megatron_rl.checkpoint.checksums import write_checksums
 
     path = directory / ITER / "rl_state.json"
     state = json.loads(path.read_text())
@@ -369,8 +369,8 @@ def test_a_pickle_that_runs_code_as_the_rng_file_is_refused_without_running(chec
     names it; with checksums.json rewritten to match, the trainer's load refuses it without running it."""
     import torch
 
-    from megatron_rl import checkpointing
-    from megatron_rl.checksums import write_checksums
+    from megatron_rl.checkpoint import rl_checkpoint
+    from megatron_rl.checkpoint.checksums import write_checksums
 
     class RunsCode:
         def __reduce__(self):
@@ -382,14 +382,14 @@ def test_a_pickle_that_runs_code_as_the_rng_file_is_refused_without_running(chec
     assert code == 2 and f"{ITER}/rng/rank00000.pt has " in err and "changed after the save" in err, err
     write_checksums(str(iteration), "test")
     with pytest.raises(ValueError, match="rank00000.pt is not an RNG state file"):
-        checkpointing.load_rng(str(iteration), 0)
+        rl_checkpoint.load_rng(str(iteration), 0)
     assert not (tmp_path / "ran").exists()
 
 
 def test_a_crash_in_the_middle_of_retention_leaves_a_loadable_checkpoint(checkpoint_copy, capsys, monkeypatch):
     """--keep-last-n-checkpoints 1 killed while it deletes iter_0000006 (renamed first, some files gone): the
     tracker's iteration passes every start-up check, and the half-deleted one is not listed as saved."""
-    from megatron_rl import checkpointing
+    from megatron_rl.checkpoint import rl_checkpoint
 
     (checkpoint_copy / "latest_checkpointed_iteration.txt").write_text("8")
 
@@ -399,10 +399,10 @@ def test_a_crash_in_the_middle_of_retention_leaves_a_loadable_checkpoint(checkpo
                 os.unlink(checkpoint_copy / f"{ITER}.deleting" / f)
             raise KeyboardInterrupt  # stands for the SIGKILL of the failpoint
 
-    monkeypatch.setattr(checkpointing.failpoints, "crash", crash)
+    monkeypatch.setattr(rl_checkpoint.failpoints, "crash", crash)
     with pytest.raises(KeyboardInterrupt):
-        checkpointing.prune_checkpoints(str(checkpoint_copy), 1)
-    assert checkpointing.saved_iterations(str(checkpoint_copy)) == [8]
+        rl_checkpoint.prune_checkpoints(str(checkpoint_copy), 1)
+    assert rl_checkpoint.saved_iterations(str(checkpoint_copy)) == [8]
     code, err = _train_cli(capsys, *DRY_RUN, "--load", str(checkpoint_copy))
     assert code == 0, err
 

@@ -394,9 +394,9 @@ class _Channel:
 
 
 def test_reward_stage_gives_the_function_the_sample_and_shapes_rl_rewards_only(custom_file):
+    from megatron_rl.controller.reward_stage import RewardStage
     from megatron_rl.data.tokenizer import build_char_tokenizer
     from megatron_rl.rewards.shaping import OverlongPenalty
-    from megatron_rl.rewards.stage import RewardStage
     from megatron_rl.rollout.types import RequestMeta, RolloutOutput
 
     tok = build_char_tokenizer()
@@ -445,7 +445,7 @@ def test_overlong_penalty_by_hand():
 
 
 def test_mask_truncated_keeps_the_reward_in_the_baseline_and_drops_the_gradient():
-    from megatron_rl.buffer import Rollout
+    from megatron_rl.controller.buffer import Rollout
     from megatron_rl.rollout.types import RequestMeta, RolloutOutput
     from megatron_rl.trainer.batch import TrainBatch
 
@@ -462,7 +462,7 @@ def test_mask_truncated_keeps_the_reward_in_the_baseline_and_drops_the_gradient(
 
 
 def test_reward_flags_are_checked_by_the_parser(capsys):
-    from megatron_rl.arguments import parse_args
+    from megatron_rl.config.arguments import parse_args
 
     args = parse_args(["--overlong-penalty", "--rollout-max-response-len", "12"])
     assert (args.overlong_buffer_len, args.overlong_penalty_factor) == (3, 1.0)
@@ -478,7 +478,7 @@ def test_reward_flags_are_checked_by_the_parser(capsys):
 
 
 def test_isolated_failures_are_counted_and_a_scorer_failing_on_every_item_stops_the_run():
-    from megatron_rl.rewards.failures import RewardFailures
+    from megatron_rl.controller.reward_failures import RewardFailures
 
     ok, timeout = RewardResult(1.0, "scored", "4"), RewardResult(0.0, "timeout", None, "no verdict within 5 s")
     crash = RewardResult(0.0, "scorer-failure", None, "crashed: killed by SIGKILL")

@@ -11,9 +11,9 @@ import tempfile
 import pytest
 import torch
 
-from megatron_rl.launch import run_on_ranks
 from megatron_rl.models.layout import TrainerLayout
 from megatron_rl.models.spec import get_model_spec
+from megatron_rl.runtime.spawn import run_on_ranks
 from megatron_rl.trainer.batch import TrainBatch
 
 SPEC = get_model_spec("tiny-qwen3-moe")
@@ -154,7 +154,7 @@ def test_with_routes_pads_positions_without_a_route():
 
 
 def _rollout(prompt, response, routes, finish_reason="stop", reward=1.0):
-    from megatron_rl.buffer import Rollout
+    from megatron_rl.controller.buffer import Rollout
     from megatron_rl.rewards.result import RewardResult
     from megatron_rl.rollout.types import RequestMeta, RolloutOutput
 
@@ -166,7 +166,7 @@ def _rollout(prompt, response, routes, finish_reason="stop", reward=1.0):
 def test_routes_survive_the_checkpoint_and_reach_the_batch():
     import json
 
-    from megatron_rl.buffer import Rollout
+    from megatron_rl.controller.buffer import Rollout
 
     layers, k = SPEC.num_layers, SPEC.moe_router_topk
     g = torch.Generator().manual_seed(0)

@@ -3,9 +3,9 @@ against the model and Megatron-Core's own TransformerConfig checks, with errors 
 
 import pytest
 
-from megatron_rl.arguments import parse_args
+from megatron_rl.config.arguments import parse_args
+from megatron_rl.config.setup import build_run_setup
 from megatron_rl.data.tokenizer import build_char_tokenizer
-from megatron_rl.run_setup import build_run_setup
 
 TINY = ["--model", "tiny-llama"]  # 4 heads, 2 KV heads, 2 layers
 
@@ -115,7 +115,7 @@ def test_what_would_fail_later_in_the_run_fails_in_the_setup(world, flags, patte
     ("tiny-qwen3", ["--num-experts", "4", "--moe-ffn-hidden-size", "64"], ("qwen3_moe", 4, 2, 64)),
 ])
 def test_num_experts_makes_the_mixture_of_a_dense_architecture(model, flags, expected):
-    from megatron_rl.run_setup import model_spec
+    from megatron_rl.config.setup import model_spec
 
     spec = model_spec(parse_args(["--model", model, *flags]), build_char_tokenizer())
     assert (spec.arch, spec.num_experts, spec.moe_router_topk, spec.moe_ffn_hidden_size) == expected
@@ -125,7 +125,7 @@ def test_num_experts_makes_the_mixture_of_a_dense_architecture(model, flags, exp
 
 
 def test_architecture_flags_an_architecture_cannot_hold_are_refused():
-    from megatron_rl.run_setup import model_spec
+    from megatron_rl.config.setup import model_spec
 
     with pytest.raises(ValueError, match=r"--model 'tiny-qwen2' with the architecture flags given: .*no head size"):
         model_spec(parse_args(["--model", "tiny-qwen2", "--kv-channels", "32"]), build_char_tokenizer())

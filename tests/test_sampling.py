@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from megatron_rl.rollout.sampling import sample
+from megatron_rl.rollout.local.sampling import sample
 from megatron_rl.rollout.types import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.3, -0.5, -2.0])

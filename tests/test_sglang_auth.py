@@ -16,14 +16,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megatron_rl.arguments import parse_args, redact_argv
+from megatron_rl.config.arguments import parse_args, redact_argv
+from megatron_rl.config.setup import build_run_setup
 from megatron_rl.data.tokenizer import build_char_tokenizer
-from megatron_rl.logging import run_config
 from megatron_rl.models.spec import get_model_spec
-from megatron_rl.rollout.sglang_engine import start_replica_engine
-from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError, launch_command, write_model_dir
+from megatron_rl.observability.metrics import run_config
+from megatron_rl.rollout.sglang.engine import start_replica_engine
+from megatron_rl.rollout.sglang.server import SGLangServer, SGLangServerError, launch_command, write_model_dir
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.run_setup import build_run_setup
 
 KEY = "sk-test-" + secrets.token_hex(8)
 SPEC = get_model_spec("tiny-llama")
@@ -226,7 +226,7 @@ def test_server_key_flags_passed_through_are_refused_at_setup(flag, pattern):
 
 
 def test_dry_run_and_logged_command_lines_do_not_show_the_key(capsys):
-    from megatron_rl.dry_run import main as dry_run
+    from megatron_rl.config.dry_run import main as dry_run
 
     dry_run(parse_args([*SGLANG, "--sglang-api-key", KEY, "--dry-run", "--world-size", "2"]))
     assert KEY not in capsys.readouterr().out

@@ -9,13 +9,13 @@ import importlib.util
 
 import pytest
 
-from megatron_rl.arguments import parse_args
+from megatron_rl.config.arguments import parse_args
+from megatron_rl.config.setup import build_run_setup, layouts
 from megatron_rl.data.tokenizer import build_char_tokenizer
-from megatron_rl.roles import Roles
-from megatron_rl.rollout import sglang_engine
 from megatron_rl.rollout.backends import build_sglang_engine
-from megatron_rl.rollout.sglang_server import CPU_FLAGS, launch_command, server_gpu_flags
-from megatron_rl.run_setup import build_run_setup, layouts
+from megatron_rl.rollout.sglang import engine as sglang_engine
+from megatron_rl.rollout.sglang.server import CPU_FLAGS, launch_command, server_gpu_flags
+from megatron_rl.runtime.roles import Roles
 
 GPUS_PER_NODE = 8
 
@@ -145,7 +145,7 @@ def test_server_flags_the_run_sets_are_refused_at_setup_naming_the_run_flag(flag
 
 
 def test_dry_run_refuses_them_too_and_other_flags_reach_the_setup():
-    from megatron_rl.dry_run import dry_run
+    from megatron_rl.config.dry_run import dry_run
 
     with pytest.raises(ValueError, match=r"--sglang-tp-size \(--rollout-tensor-parallel-size sets it\)"):
         dry_run(parse_args(["--model", "tiny-llama", "--rollout-backend", "sglang", "--sglang-tp-size", "2"]), 2)

@@ -21,20 +21,20 @@ import pytest
 import torch
 from helpers import random_hf_weights
 
-from megatron_rl.arguments import parse_args
+from megatron_rl.config.arguments import parse_args
+from megatron_rl.config.setup import build_run_setup
 from megatron_rl.data.tokenizer import build_char_tokenizer
 from megatron_rl.models import layout as L
 from megatron_rl.models.spec import ModelSpec, get_model_spec
-from megatron_rl.rollout.sglang_engine import (
+from megatron_rl.rollout.sglang.engine import (
     RolloutContractError,
     SGLangEngine,
     parse_generate_response,
     required_server_flags,
     stack_experts,
 )
-from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError, launch_command, write_model_dir
+from megatron_rl.rollout.sglang.server import SGLangServer, SGLangServerError, launch_command, write_model_dir
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.run_setup import build_run_setup
 
 QWEN3_MOE = get_model_spec("tiny-qwen3-moe")  # 4 experts of size 32, top-2, experts under mlp.*
 MIXTRAL = get_model_spec("tiny-mixtral")  # 4 experts of size 32, top-2, experts under block_sparse_moe.*
@@ -242,9 +242,9 @@ def test_a_sliding_window_is_refused_at_setup_and_at_the_server(tmp_path):
 def test_build_sglang_engine_launches_with_the_runs_ep_size_and_asks_for_routes(tmp_path, monkeypatch):
     import importlib.util
 
-    from megatron_rl.roles import Roles
-    from megatron_rl.rollout import sglang_engine
     from megatron_rl.rollout.backends import build_sglang_engine
+    from megatron_rl.rollout.sglang import engine as sglang_engine
+    from megatron_rl.runtime.roles import Roles
 
     args = parse_args(["--model", "tiny-qwen3-moe", "--rollout-backend", "sglang", "--rollout-tensor-parallel-size",
                        "2", "--rollout-expert-parallel-size", "2", "--use-rollout-routing-replay", "--output-dir",

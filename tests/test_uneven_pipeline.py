@@ -8,8 +8,8 @@ slice of the trainer's updated weights that the layout mapping assigns to it (fp
 import pytest
 import torch
 
-from megatron_rl.launch import run_on_ranks
 from megatron_rl.models import layout as L
+from megatron_rl.runtime.spawn import run_on_ranks
 
 FLAGS = ["--num-layers", "5", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
          "--tensor-model-parallel-size", "2", "--rollout-tensor-parallel-size", "1", "--micro-batch-size", "2",
@@ -20,12 +20,12 @@ WORLD = 5  # trainer TP 2 x PP 2, then the generator
 def _rank():
     import torch.distributed as dist
 
-    from megatron_rl.arguments import parse_args
+    from megatron_rl.config.arguments import parse_args
+    from megatron_rl.config.setup import build_run_setup
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
-    from megatron_rl.roles import init_roles
     from megatron_rl.rollout.backends import ENGINE_BACKENDS
-    from megatron_rl.run_setup import build_run_setup
+    from megatron_rl.runtime.roles import init_roles
     from megatron_rl.trainer.batch import TrainBatch
 
     setup = build_run_setup(parse_args(FLAGS), WORLD)

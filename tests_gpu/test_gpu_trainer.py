@@ -7,8 +7,8 @@ over a few layers). Every parameter, grad buffer and optimizer state is on the G
 import pytest
 import torch
 
-from megatron_rl.launch import run_on_ranks
 from megatron_rl.models.spec import get_model_spec
+from megatron_rl.runtime.spawn import run_on_ranks
 
 SPEC = get_model_spec("tiny-llama").replace(name="gpu-step", hidden_size=128, ffn_hidden_size=256, num_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256)

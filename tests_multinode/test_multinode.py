@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from megatron_rl.accounting import account
+from megatron_rl.observability.accounting import account
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBNET = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"  # private to this test run's namespaces
@@ -154,7 +154,7 @@ def _wait_until(condition, deadline_s, what):
 
 def _wait_until_gone(*markers, deadline_s=30):
     """Every process of the launches marked `markers` ends within `deadline_s` (`lifetime.processes_with_env`)."""
-    from megatron_rl.lifetime import processes_with_env
+    from megatron_rl.runtime.lifetime import processes_with_env
 
     def left():
         return {marker: pids for marker in markers if (pids := processes_with_env(MARKER, marker))}
@@ -175,7 +175,8 @@ def test_a_lost_node_fails_the_other_naming_it_and_both_resume_from_the_last_che
     controller and trainer) fails within --distributed-timeout-minutes (1 here) with an error naming rank 1 on
     node 1, and nothing of either launch is left running. Both nodes launched again with --load of the checkpoint
     directory they share resume from its last step and finish, and the run accounts for itself
-    (`megatron_rl.accounting`): every RL step once, in order, every prompt consumed once, no sample trained twice."""
+    (`megatron_rl.observability.accounting`): every RL step once, in order, every prompt consumed once, no sample
+    trained twice."""
     iters, batch, ckpt = 8, 16, tmp_path / "ckpt"
     (space0, _), (space1, interface1) = nodes
     flags = (*QUICK, "--train-iters", str(iters), "--save", str(ckpt), "--save-interval", "1",

@@ -14,9 +14,9 @@ from conftest import SPEC
 
 from megatron_rl.models import layout as L
 from megatron_rl.models.safetensors_io import HFCheckpoint
-from megatron_rl.rollout.engine import LocalEngine
-from megatron_rl.rollout.sglang_engine import start_replica_engine
-from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
+from megatron_rl.rollout.local.engine import LocalEngine
+from megatron_rl.rollout.sglang.engine import start_replica_engine
+from megatron_rl.rollout.sglang.server import SGLangServer, SGLangServerError
 from megatron_rl.rollout.types import SamplingParams
 
 KEY = "sk-" + secrets.token_hex(12)

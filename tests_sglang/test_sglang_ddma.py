@@ -10,9 +10,9 @@ import signal
 import torch
 from conftest import SPEC
 
-from megatron_rl.launch import run_on_ranks
-from megatron_rl.rollout.engine import LocalEngine
+from megatron_rl.rollout.local.engine import LocalEngine
 from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.runtime.spawn import run_on_ranks
 
 PROMPTS = [[1, 5, 9, 13], [2, 40, 41, 42, 43, 44, 45]]
 GREEDY = dict(temperature=0.0, max_new_tokens=10, ignore_eos=True)
@@ -27,7 +27,7 @@ def _trainer_tp2_to_sglang_tp2(model_dir, log_dir):
     from megatron_rl.models import layout as L
     from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
     from megatron_rl.models.safetensors_io import HFCheckpoint
-    from megatron_rl.rollout.sglang_engine import RolloutContractError, start_replica_engine
+    from megatron_rl.rollout.sglang.engine import RolloutContractError, start_replica_engine
 
     rank = dist.get_rank()
     trainer, generator = TrainerLayout(2, 1, 1, dtype_bytes=4), GeneratorLayout(2, 1, first_rank=2)

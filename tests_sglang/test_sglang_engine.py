@@ -14,18 +14,18 @@ import requests
 import torch
 from conftest import SPEC
 
-from megatron_rl.launch import free_port
 from megatron_rl.models import layout as L
 from megatron_rl.models.safetensors_io import HFCheckpoint
-from megatron_rl.rollout.engine import LocalEngine
-from megatron_rl.rollout.sglang_engine import (
+from megatron_rl.rollout.local.engine import LocalEngine
+from megatron_rl.rollout.sglang.engine import (
     IN_PLACE_SERVER_FLAGS,
     parse_generate_response,
     sglang_sampling_params,
     start_replica_engine,
 )
-from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
+from megatron_rl.rollout.sglang.server import SGLangServer, SGLangServerError
 from megatron_rl.rollout.types import LOGPROB_CONVENTION, SamplingParams
+from megatron_rl.runtime.spawn import free_port
 
 PROMPTS = [[1, 5, 9, 13], [2, 40, 41, 42, 43, 44, 45], [3, 100]]
 ATOL = 1e-4

@@ -6,11 +6,11 @@ import argparse
 
 import pytest
 
-from megatron_rl.arguments import parse_args
+from megatron_rl.config.arguments import parse_args
+from megatron_rl.config.setup import build_run_setup
 from megatron_rl.data.tokenizer import build_char_tokenizer
-from megatron_rl.rollout.sglang_flags import RUN_CONTROLLED, check_server_flags, sglang_cli_actions
-from megatron_rl.rollout.sglang_server import launch_command
-from megatron_rl.run_setup import build_run_setup
+from megatron_rl.rollout.sglang.flags import RUN_CONTROLLED, check_server_flags, sglang_cli_actions
+from megatron_rl.rollout.sglang.server import launch_command
 
 
 def _sglang_parser():

@@ -13,13 +13,13 @@ their decoding is unit-tested in tests/test_sglang_moe.py.
 import pytest
 import torch
 
-from megatron_rl.launch import run_on_ranks
 from megatron_rl.models import layout as L
 from megatron_rl.models.hf import save_random_hf_model
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.models.spec import get_model_spec
-from megatron_rl.rollout.sglang_engine import required_server_flags, start_replica_engine
+from megatron_rl.rollout.sglang.engine import required_server_flags, start_replica_engine
 from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.runtime.spawn import run_on_ranks
 
 PROMPTS = [[1, 5, 9, 13], [2, 40, 41, 42, 43, 44, 45], [3, 100]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -27,8 +27,8 @@ ATOL = 1e-4
 
 
 def test_the_server_arguments_the_run_requires_are_sglangs():
-    from megatron_rl.rollout.sglang_engine import IN_PLACE_SERVER_FLAGS
-    from megatron_rl.rollout.sglang_flags import check_typed, sglang_cli_actions
+    from megatron_rl.rollout.sglang.engine import IN_PLACE_SERVER_FLAGS
+    from megatron_rl.rollout.sglang.flags import check_typed, sglang_cli_actions
 
     flags = required_server_flags(get_model_spec("tiny-qwen3-moe"), 2, in_place=True, routing_replay=True)
     assert flags == {**IN_PLACE_SERVER_FLAGS, "ep_size": 2, "enable_return_routed_experts": True}

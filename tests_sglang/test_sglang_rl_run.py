@@ -10,8 +10,8 @@ import signal
 import subprocess
 import sys
 
-from megatron_rl import failpoints
-from megatron_rl.launch import free_port
+from megatron_rl.runtime import failpoints
+from megatron_rl.runtime.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--sft-warmup-iters", "2", "--train-iters", "12", "--eval-size", "8", "--global-batch-size", "16",

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
-    from megatron_rl.conversion import hf_to_megatron
+    from megatron_rl.checkpoint.megatron_format import hf_to_megatron
     from megatron_rl.models.layout import TrainerLayout
 
     start = time.time()

@@ -8,6 +8,7 @@ python -m megatron_rl.bench soak [--quick] [flags]: the chaos soak (SIGKILLs and
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ import time
 
 BENCHMARKS = ("async", "ddma", "engine", "trainer", "reward", "r3")
 GPU_ONLY = ("fp8", "gpu")
-STUDIES = ("ablation", "soak")  # run many trainings, with flags of their own
+STUDIES = {"ablation": "megatron_rl.bench.ablation.study", "soak": "megatron_rl.bench.soak"}  # many trainings each
 
 
 def main(argv=None) -> int:
@@ -23,10 +24,10 @@ def main(argv=None) -> int:
     for study in STUDIES:  # with flags of its own, wherever its name stands
         if study in argv:
             argv.remove(study)
-            return __import__(f"megatron_rl.bench.{study}", fromlist=["main"]).main(argv)
+            return importlib.import_module(STUDIES[study]).main(argv)
     parser = argparse.ArgumentParser(prog="python -m megatron_rl.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=BENCHMARKS + GPU_ONLY + STUDIES + ("all",))
+    parser.add_argument("which", choices=BENCHMARKS + GPU_ONLY + tuple(STUDIES) + ("all",))
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a run of a few minutes")
     parser.add_argument("--results-file", default=os.environ.get("BENCH_RESULTS", "bench_results.jsonl"),
                         help="each result is also appended here as one JSON line")
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
     names = BENCHMARKS if args.which == "all" else (args.which,)
     combined = {}
     for name in names:
-        module = __import__(f"megatron_rl.bench.{'async_rl' if name == 'async' else name}", fromlist=["run"])
+        module = importlib.import_module(f"megatron_rl.bench.{'async_rl' if name == 'async' else name}")
         result = module.run(quick=args.quick)
         combined[name] = result
         print(json.dumps({name: result}), flush=True)

@@ -28,7 +28,7 @@ import tempfile
 
 
 def _run(out_dir: str, iters: int, block: int, pause_mode: str) -> list[dict]:
-    from megatron_rl.launch import free_port
+    from megatron_rl.runtime.spawn import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "megatron_rl.train", "--tensor-model-parallel-size", "1", "--train-iters", str(iters),

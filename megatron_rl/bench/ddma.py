@@ -33,8 +33,8 @@ def _rank_main(quick: bool, repeats: int):
     from megatron_rl.ddma.transport import TorchDistTransport
     from megatron_rl.models import layout as L
     from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
-    from megatron_rl.rollout.decoder import TPDecoder
-    from megatron_rl.rollout.engine import LocalEngine
+    from megatron_rl.rollout.local.decoder import TPDecoder
+    from megatron_rl.rollout.local.engine import LocalEngine
     from megatron_rl.trainer.weights import merge_to_hf
 
     spec = _spec(quick)
@@ -121,7 +121,7 @@ def _rank_main(quick: bool, repeats: int):
 
 
 def run(quick: bool = False) -> dict:
-    from megatron_rl.launch import run_on_ranks
+    from megatron_rl.runtime.spawn import run_on_ranks
 
     spec = _spec(quick)
     out = {"model_mb_bf16": spec.num_parameters() * 2 / 2**20}

@@ -56,10 +56,10 @@ def run(quick: bool = False) -> dict:
 def _vs_sglang(model_dir, spec, out, batches, prompt_len, new_tokens) -> None:
     """The same prompts through a real SGLang server on the same checkpoint (HTTP included, as the adapter
     uses it); server start-up is not timed."""
-    from megatron_rl.launch import free_port
     from megatron_rl.rollout import SamplingParams
-    from megatron_rl.rollout.sglang_engine import SGLangEngine
-    from megatron_rl.rollout.sglang_server import SGLangServer
+    from megatron_rl.rollout.sglang.engine import SGLangEngine
+    from megatron_rl.rollout.sglang.server import SGLangServer
+    from megatron_rl.runtime.spawn import free_port
 
     server = SGLangServer.launch(model_dir, 1, free_port(), os.path.join(model_dir, "sglang.log"), load_format="auto")
     engine = SGLangEngine(spec, server)

@@ -13,7 +13,7 @@ LAUNCH_COMMON = os.path.join(ROOT, "examples", "launch_common.sh")
 def child_env(out_dir: str) -> dict:
     """The example's environment for one run: one node, 2 processes, a free port; `python` and torchrun from this
     interpreter, and this checkout's megatron_rl first on the path."""
-    from megatron_rl.launch import free_port
+    from megatron_rl.runtime.spawn import free_port
 
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "OUTPUT_DIR": out_dir, "GPUS_PER_NODE": "2", "NNODES": "1", "NODE_RANK": "0",

@@ -62,8 +62,8 @@ def _trainer_rank(steps: int) -> dict:
 
 
 def _decode(batch: int, spec) -> float:
-    from megatron_rl.rollout.decoder import TPDecoder
-    from megatron_rl.rollout.engine import LocalEngine
+    from megatron_rl.rollout.local.decoder import TPDecoder
+    from megatron_rl.rollout.local.engine import LocalEngine
     from megatron_rl.rollout.types import SamplingParams
 
     decoder = TPDecoder(spec, dtype=torch.bfloat16, max_slots=batch + 1, max_seq_len=DECODE_PROMPT + DECODE_TOKENS,
@@ -92,7 +92,7 @@ def _decode(batch: int, spec) -> float:
 def run(quick: bool = False) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "needs CUDA"}
-    from megatron_rl.launch import run_on_ranks
+    from megatron_rl.runtime.spawn import run_on_ranks
 
     spec = _spec()
     out = {"device": torch.cuda.get_device_name(), "model": f"random Llama, {spec.num_parameters() / 1e9:.2f}B "

@@ -30,7 +30,7 @@ SPEC = ModelSpec("r3-moe", "qwen3_moe", hidden_size=128, num_layers=4, num_atten
 
 
 def _rollouts(hf_dir: str, dtype: torch.dtype, fp8: bool, num_prompts: int, response_len: int):
-    from megatron_rl.rollout.engine import LocalEngine
+    from megatron_rl.rollout.local.engine import LocalEngine
     from megatron_rl.rollout.types import SamplingParams
 
     engine = LocalEngine.from_hf(hf_dir, dtype=dtype, fp8=fp8, seed=0)
@@ -83,7 +83,7 @@ def _gap(logprobs: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor) -> 
 
 
 def measure(dtype: torch.dtype, fp8: bool, num_prompts: int, response_len: int, hf_dir: str) -> dict:
-    from megatron_rl.launch import run_on_ranks
+    from megatron_rl.runtime.spawn import run_on_ranks
     from megatron_rl.trainer.batch import TrainBatch
 
     outputs = _rollouts(hf_dir, dtype, fp8, num_prompts, response_len)

@@ -7,7 +7,7 @@ The run is examples/run_tiny_aipo.sh at a tiny size (2 processes: a trainer and 
 checkpoint every step. Each attempt resumes from the latest checkpoint (--load) and is killed once, in turn one
 of these ways (a seeded shuffle, so that every kind comes up as often as the others):
 
-- at an exact point (MEGATRON_RL_FAILPOINT, megatron_rl/failpoints.py): `train` (after the backward pass, before
+- at an exact point (MEGATRON_RL_FAILPOINT, megatron_rl/runtime/failpoints.py): `train` (after the backward pass, before
   the update), `publish` (a generator in the middle of DDMA), `generate` (a generator mid-decode),
   `checkpoint-partial` (a checkpoint written, not yet complete), `checkpoint-saved` (right after one completed);
 - from outside, at a random moment once the attempt has logged a step: `kill-rank0` (the trainer and controller),
@@ -20,8 +20,8 @@ requests again, and the attempt goes on to its own kill.
 
 After each kill it waits for the run's processes to be gone and counts those left behind (every process the run
 starts carries a marker in its environment), and measures the disk used by the checkpoints. A last attempt runs to
-the end. Then `megatron_rl.accounting` checks, from the run's own records, that every prompt was consumed once
-(or its samples generated again, with the reason), that no sample was trained on twice, that steps are
+the end. Then `megatron_rl.observability.accounting` checks, from the run's own records, that every prompt was
+consumed once (or its samples generated again, with the reason), that no sample was trained on twice, that steps are
 contiguous and weight versions advance one per step. Time lost per kill: from the kill (for a failpoint: the end
 of the attempt, which follows it within torchrun's teardown) to the moment a later attempt logs a step beyond the
 last one logged before the kill (restart, reload and redone steps, and any kill in between).
@@ -43,11 +43,11 @@ import subprocess
 import time
 import uuid
 
-from megatron_rl import failpoints
-from megatron_rl.accounting import account, read_jsonl
 from megatron_rl.bench.example import EXAMPLE, child_env
-from megatron_rl.checkpointing import TRACKER_FILE
-from megatron_rl.lifetime import processes_with_env, wait_until_gone
+from megatron_rl.checkpoint.rl_checkpoint import TRACKER_FILE
+from megatron_rl.observability.accounting import account, read_jsonl
+from megatron_rl.runtime import failpoints
+from megatron_rl.runtime.lifetime import processes_with_env, wait_until_gone
 
 MARKER = "MEGATRON_RL_SOAK"
 POINTS = ("train", "publish", "generate", "checkpoint-partial", "checkpoint-saved")

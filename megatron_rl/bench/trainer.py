@@ -44,7 +44,7 @@ def _rank(tp: int, quick: bool, steps: int):
 
 
 def run(quick: bool = False) -> dict:
-    from megatron_rl.launch import run_on_ranks
+    from megatron_rl.runtime.spawn import run_on_ranks
 
     steps = 3 if quick else 8
     tp1 = run_on_ranks(_rank, 1, 1, quick, steps)[0]

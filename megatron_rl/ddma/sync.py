@@ -26,10 +26,10 @@ from collections import defaultdict
 
 import torch
 
-from megatron_rl import failpoints
 from megatron_rl.ddma.plan import Piece, Plan
 from megatron_rl.ddma.transport import TorchDistTransport, Transfer, Transport
 from megatron_rl.models.fp8 import BLOCK, SCALE_SUFFIX, quantize_block_fp8, scale_shape
+from megatron_rl.runtime import failpoints
 
 CHECKSUM_BYTES = 8
 

@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_rl.device import DeviceId
-from megatron_rl.multinode import lost_peer
+from megatron_rl.runtime.device import DeviceId
+from megatron_rl.runtime.multinode import lost_peer
 
 
 class Transport(Protocol):

@@ -30,7 +30,7 @@ class Outcome:
 
 
 def _worker_main(conn, warmup: Callable[[], None] | None) -> None:
-    from megatron_rl.lifetime import die_with_parent
+    from megatron_rl.runtime.lifetime import die_with_parent
 
     die_with_parent()
     try:

@@ -14,9 +14,9 @@ from typing import Protocol
 
 import torch
 
-from megatron_rl.roles import Roles
+from megatron_rl.config.setup import RunSetup
 from megatron_rl.rollout.types import RolloutOutput, SamplingParams
-from megatron_rl.run_setup import RunSetup
+from megatron_rl.runtime.roles import Roles
 
 
 class Engine(Protocol):
@@ -53,8 +53,8 @@ class Engine(Protocol):
 
 
 def build_local_engine(setup: RunSetup, roles: Roles) -> Engine:
-    from megatron_rl.rollout.decoder import TPDecoder
-    from megatron_rl.rollout.engine import LocalEngine
+    from megatron_rl.rollout.local.decoder import TPDecoder
+    from megatron_rl.rollout.local.engine import LocalEngine
 
     args = setup.args
     decoder = TPDecoder(setup.spec, setup.generator.tensor_parallel_size, roles.rollout_tp_rank, roles.replica_group,
@@ -76,8 +76,8 @@ def build_sglang_engine(setup: RunSetup, roles: Roles) -> Engine:
     if setup.generator.fp8 and not torch.cuda.is_available():
         raise RuntimeError("--rollout-fp8 with --rollout-backend sglang needs a GPU (SGLang's FP8 layers "
                            "assert CUDA or AMX); use --rollout-backend local on CPU")
-    from megatron_rl.rollout.sglang_engine import required_server_flags, start_replica_engine
-    from megatron_rl.rollout.sglang_server import write_model_dir
+    from megatron_rl.rollout.sglang.engine import required_server_flags, start_replica_engine
+    from megatron_rl.rollout.sglang.server import write_model_dir
 
     directory = os.path.join(args.output_dir, "sglang", f"replica{roles.replica}")
     model_dir = write_model_dir(setup.spec, os.path.join(directory, "model"), setup.tokenizer.eos_token_id,

@@ -15,14 +15,14 @@ from collections import Counter, defaultdict
 import torch
 import torch.distributed as dist
 
-from megatron_rl import failpoints
-from megatron_rl.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
+from megatron_rl.config.setup import RunSetup
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
-from megatron_rl.roles import Roles
 from megatron_rl.rollout.backends import ENGINE_BACKENDS
 from megatron_rl.rollout.types import RequestMeta, SamplingParams
-from megatron_rl.run_setup import RunSetup
+from megatron_rl.runtime import failpoints
+from megatron_rl.runtime.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
+from megatron_rl.runtime.roles import Roles
 
 
 class GeneratorWorker:

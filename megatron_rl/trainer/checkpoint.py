@@ -64,7 +64,7 @@ def load_trainer_checkpoint(policy: Policy, directory: str, scheduler=None,
                             reference: torch.nn.Module | None = None) -> dict:
     """Collective: load model, optimizer and scheduler state saved under any TP/PP layout (and, when `reference` is
     given, the reference model's weights into it); return `extra`."""
-    from megatron_rl.safe_load import dist_load
+    from megatron_rl.checkpoint.safe_load import dist_load
 
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--load {directory!r}: no checkpoint directory")
@@ -86,7 +86,7 @@ def load_trainer_checkpoint(policy: Policy, directory: str, scheduler=None,
 
 def check_has_reference(directory: str) -> None:
     """A run whose reference is the policy RL started from can resume only from a checkpoint that saved it."""
-    from megatron_rl.safe_load import load_common
+    from megatron_rl.checkpoint.safe_load import load_common
 
     if not load_common(directory).get("has_reference"):
         raise ValueError(f"--load: checkpoint {directory!r} holds no reference model (it was saved without "

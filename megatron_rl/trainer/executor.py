@@ -18,14 +18,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl import checkpointing, failpoints
 from megatron_rl.algorithms import AlgorithmConfig
-from megatron_rl.arguments import algorithm_config
-from megatron_rl.conversion import RL_FORMAT
+from megatron_rl.checkpoint import rl_checkpoint
+from megatron_rl.checkpoint.megatron_format import RL_FORMAT
+from megatron_rl.config.arguments import algorithm_config
+from megatron_rl.config.setup import RunSetup, model_directory
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
-from megatron_rl.roles import Roles
-from megatron_rl.run_setup import RunSetup, model_directory
+from megatron_rl.runtime import failpoints
+from megatron_rl.runtime.roles import Roles
 from megatron_rl.trainer.export import ModelDescription, save_hf
 
 
@@ -164,11 +165,11 @@ class TrainerExecutor:
     def _save(self, directory: str) -> None:
         from megatron_rl.trainer.checkpoint import save_trainer_checkpoint
 
-        rng = checkpointing.rng_state()  # as the step left it
+        rng = rl_checkpoint.rng_state()  # as the step left it
         save_trainer_checkpoint(self.trainer.policy, directory, self.scheduler,
                                 reference=None if self.reference is None else self.reference.module)
         # after Megatron's files: its save warns of an "incomplete / corrupted checkpoint" in a directory not empty
-        checkpointing.save_rng(directory, dist.get_rank(), rng)
+        rl_checkpoint.save_rng(directory, dist.get_rank(), rng)
         dist.barrier()  # every rank's files are written before rank 0 completes the iteration (checksums, rename)
         if dist.get_rank() == 0:  # the model beside its weights: the iteration exports to HF on its own
             self.description.write(directory, RL_FORMAT)
@@ -185,7 +186,7 @@ class TrainerExecutor:
                                 reference=self.reference.module if restore_reference else None)
         if restore_reference:
             self.reference.restored()
-        checkpointing.load_rng(directory, dist.get_rank())
+        rl_checkpoint.load_rng(directory, dist.get_rank())
 
     def param_checksum(self) -> float:
         """Sum of every weight of the model (each shard counted once), in float64."""

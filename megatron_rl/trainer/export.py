@@ -1,7 +1,7 @@
 """The trainer's weights outside the run: the description that makes a checkpoint of them self-contained, and the
 HF export of the policy during a run.
 
-`ModelDescription.write(directory, format)` puts beside weights what HF tools and `conversion.MegatronCheckpoint`
+`ModelDescription.write(directory, format)` puts beside weights what HF tools and `megatron_format.MegatronCheckpoint`
 need to read them: `megatron_rl.json` (the HF config, the dtype, the trainer layout the weights are sharded in),
 the run's tokenizer and a `generation_config.json`. The trainer's "save" writes it into each RL checkpoint
 iteration, so that tools/convert_megatron_to_hf.py exports an iteration and --load-megatron starts a run from one.
@@ -10,7 +10,7 @@ iteration, so that tools/convert_megatron_to_hf.py exports an iteration and --lo
 whole model: each trainer rank of data-parallel rank 0 (and, with expert parallelism, of the next DP ranks up to
 the layout's expert replica span, which hold the other experts) writes its own shard file (the per-rank
 `safetensors` format of `conversion`), then trainer rank 0 assembles the HF tensors one at a time from those files
-(`conversion.megatron_to_hf`) and removes them.
+(`megatron_format.megatron_to_hf`) and removes them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import shutil
 
 import torch
 
-from megatron_rl import conversion
+from megatron_rl.checkpoint import megatron_format
 from megatron_rl.models.layout import TrainerLayout
 from megatron_rl.models.spec import ModelSpec
 
@@ -72,7 +72,8 @@ class ModelDescription:
         written = [os.path.basename(p) for p in self.tokenizer.save_pretrained(directory)]
         self.generation_config().save_pretrained(directory)
         auxiliary = sorted({n for n in written if os.path.isfile(os.path.join(directory, n))} | {GENERATION_CONFIG})
-        return conversion.write_meta(directory, weights_format, self.hf_config(), self.dtype, self.layout, auxiliary)
+        return megatron_format.write_meta(directory, weights_format, self.hf_config(), self.dtype, self.layout,
+                                          auxiliary)
 
 
 def save_hf(model: torch.nn.Module, description: ModelDescription, directory: str) -> None:
@@ -85,11 +86,11 @@ def save_hf(model: torch.nn.Module, description: ModelDescription, directory: st
         shutil.rmtree(shards, ignore_errors=True)  # left by an interrupted export
         os.makedirs(shards)
     dist.barrier()
-    conversion.write_rank_file(model, shards, description.layout)  # DP rank 0, and those with other experts
+    megatron_format.write_rank_file(model, shards, description.layout)  # DP rank 0, and those with other experts
     dist.barrier()
     if dist.get_rank() == 0:
         try:
             description.write(shards, "safetensors")
-            conversion.megatron_to_hf(shards, directory, overwrite=True, progress=False)
+            megatron_format.megatron_to_hf(shards, directory, overwrite=True, progress=False)
         finally:
             shutil.rmtree(shards, ignore_errors=True)

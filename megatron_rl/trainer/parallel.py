@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_rl import cpu_compat
-from megatron_rl.device import select_device
 from megatron_rl.models.layout import TrainerLayout
 from megatron_rl.models.spec import ModelSpec
+from megatron_rl.runtime import cpu_compat
+from megatron_rl.runtime.device import select_device
 
 
 def initialize(layout: TrainerLayout, spec: ModelSpec | None = None, seed: int = 1234,
@@ -22,7 +22,7 @@ def initialize(layout: TrainerLayout, spec: ModelSpec | None = None, seed: int =
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed must be initialized (torchrun, or megatron_rl.launch) first")
+        raise RuntimeError("torch.distributed must be initialized (torchrun, or megatron_rl.runtime.spawn) first")
     world = dist.get_world_size()
     if world != layout.world_size:
         raise ValueError(f"the trainer has {world} ranks but its layout needs {layout.world_size} "

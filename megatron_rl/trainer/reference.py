@@ -68,14 +68,14 @@ def check_reference_checkpoint(directory: str, spec: ModelSpec, transformer_impl
     checkpoint (config.json and every tensor of the model, right shapes) or Megatron weights that --load-megatron
     would accept (converter output of either format, an RL checkpoint or one of its iterations), of the same
     architecture as the policy. Errors name the flag."""
-    from megatron_rl import checkpointing
+    from megatron_rl.checkpoint import rl_checkpoint
 
     if not os.path.isdir(directory):
         raise ValueError(f"--ref-load {directory!r}: no such directory")
-    if not checkpointing.is_hf_directory(directory):
-        checkpointing.check_initial_weights(directory, spec, transformer_impl, flag="--ref-load")
+    if not rl_checkpoint.is_hf_directory(directory):
+        rl_checkpoint.check_initial_weights(directory, spec, transformer_impl, flag="--ref-load")
         return
-    from megatron_rl.conversion import validate_hf_checkpoint
+    from megatron_rl.checkpoint.megatron_format import validate_hf_checkpoint
     from megatron_rl.models.safetensors_io import HFCheckpoint
 
     try:

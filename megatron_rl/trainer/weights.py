@@ -49,16 +49,16 @@ def load_weights_from(model: torch.nn.Module, spec: ModelSpec, layout: L.Trainer
     """This rank's shard of `model` from a directory of weights: an HF checkpoint (config.json), or Megatron weights
     as --load-megatron reads them (converter output of either format, an RL checkpoint or one of its iterations).
     Collective over the trainer's ranks for a distributed checkpoint. `flag` names the directory in errors."""
-    from megatron_rl import checkpointing
+    from megatron_rl.checkpoint import rl_checkpoint
 
-    if checkpointing.is_hf_directory(directory):
+    if rl_checkpoint.is_hf_directory(directory):
         from megatron_rl.models.safetensors_io import HFCheckpoint
 
         load_hf_weights(model, spec, layout, HFCheckpoint(directory).get_slice)
     else:
-        from megatron_rl.conversion import load_megatron_weights
+        from megatron_rl.checkpoint.megatron_format import load_megatron_weights
 
-        load_megatron_weights(model, spec, layout, checkpointing.weights_directory(directory, flag=flag))
+        load_megatron_weights(model, spec, layout, rl_checkpoint.weights_directory(directory, flag=flag))
 
 
 def merge_to_hf(spec: ModelSpec, layout: L.TrainerLayout,

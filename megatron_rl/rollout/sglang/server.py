@@ -28,8 +28,8 @@ from collections.abc import Mapping
 import requests
 import torch
 
-from megatron_rl.lifetime import die_with_parent
 from megatron_rl.models.spec import ModelSpec
+from megatron_rl.runtime.lifetime import die_with_parent
 
 
 class SGLangServerError(RuntimeError):

@@ -85,7 +85,7 @@ class RolloutLog:
     """rollouts.jsonl, the run's ledger (always written): every RL prompt dispatched, every sample trained on or
     discarded (with the reason and its contract fields), every sample generated again after a resume. Each row
     has the step it belongs to (a resume drops the rows of lost steps) and an `event`: "dispatched", "trained",
-    "discarded" or "resent". `megatron_rl.accounting` reads it back."""
+    "discarded" or "resent". `megatron_rl.observability.accounting` reads it back."""
 
     def __init__(self, output_dir: str, append: bool):
         self._file = open(os.path.join(output_dir, "rollouts.jsonl"), "a" if append else "w")

@@ -28,11 +28,15 @@ import queue
 import time
 from collections import Counter, defaultdict, deque
 
-from megatron_rl import checkpointing, evaluation
-from megatron_rl.buffer import Rollout, RolloutBuffer
+from megatron_rl.checkpoint import rl_checkpoint
+from megatron_rl.config.setup import RunSetup, stable_seed
+from megatron_rl.controller import evaluation
+from megatron_rl.controller.buffer import Rollout, RolloutBuffer
+from megatron_rl.controller.prompt_source import PromptSource
+from megatron_rl.controller.reward_failures import RewardFailures
+from megatron_rl.controller.reward_stage import RewardStage
 from megatron_rl.data.prompts import check_prompt_lengths, encode_prompt
-from megatron_rl.data.source import PromptSource
-from megatron_rl.logging import (
+from megatron_rl.observability.metrics import (
     MetricsLogger,
     Progress,
     RolloutLog,
@@ -44,11 +48,8 @@ from megatron_rl.logging import (
     write_json,
 )
 from megatron_rl.rewards import build_reward_fn
-from megatron_rl.rewards.failures import RewardFailures
 from megatron_rl.rewards.shaping import OverlongPenalty
-from megatron_rl.rewards.stage import RewardStage
 from megatron_rl.rollout.types import RequestMeta
-from megatron_rl.run_setup import RunSetup, stable_seed
 from megatron_rl.trainer.batch import TrainBatch
 
 
@@ -130,7 +131,7 @@ class Controller:
         self._next_leader = self._stopped = 0
         os.makedirs(args.output_dir, exist_ok=True)
         if args.load:
-            checkpointing.truncate_logs_to_checkpoint(args.load, args.output_dir)
+            rl_checkpoint.truncate_logs_to_checkpoint(args.load, args.output_dir)
         self.rollout_log = RolloutLog(args.output_dir, append=bool(args.load))
         self.logger = MetricsLogger(args.output_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
                                     args.tensorboard_dir, config=run_config(args),
@@ -362,7 +363,7 @@ class Controller:
         args = self.args
         start_step = 0
         if args.load:
-            state = checkpointing.load_rl_checkpoint(args.load, self.trainer)
+            state = rl_checkpoint.load_rl_checkpoint(args.load, self.trainer)
             self.load_state_dict(state)
             start_step = state["step"]
             self.version -= 1  # publish() below re-publishes the loaded weights under their version
@@ -382,19 +383,19 @@ class Controller:
             mode = f"lag {args.controlled_lag}"
         progress = Progress(start_step, args.train_iters, f"{args.loss.upper()} ({mode})", args.log_interval)
         if args.train_iters == 0 and self.hf_export_due(0):
-            self.trainer.command("save_hf", checkpointing.iteration_dir(self.hf_export_dir(), 0))
+            self.trainer.command("save_hf", rl_checkpoint.iteration_dir(self.hf_export_dir(), 0))
         for step in range(start_step + 1, args.train_iters + 1):
             metrics = self.rl_step(step, run_start)
             if self.eval_sets and (args.eval_interval and step % args.eval_interval == 0 or step == args.train_iters):
                 metrics["eval"] = self.evaluate(step)
             self.logger.log(step, metrics)
             if args.save and args.save_interval and step % args.save_interval == 0:
-                checkpointing.save_rl_checkpoint(args.save, step, self.trainer,
+                rl_checkpoint.save_rl_checkpoint(args.save, step, self.trainer,
                                                  {"model": self.spec.weight_fields(), **self.state_dict(),
                                                   "transformer_impl": self.layout.transformer_impl},
                                                  keep_last=args.keep_last_n_checkpoints)
             if self.hf_export_due(step):
-                self.trainer.command("save_hf", checkpointing.iteration_dir(self.hf_export_dir(), step))
+                self.trainer.command("save_hf", rl_checkpoint.iteration_dir(self.hf_export_dir(), step))
             progress.update(step, console_fields(metrics))
         progress.close()
         write_json(os.path.join(args.output_dir, "eval.json"), {

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from megatron_rl.models import layout as L
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.models.spec import ModelSpec
-from megatron_rl.rollout.decoder import TPDecoder
-from megatron_rl.rollout.sampling import sample
+from megatron_rl.rollout.local.decoder import TPDecoder
+from megatron_rl.rollout.local.sampling import sample
 from megatron_rl.rollout.types import PAUSE_MODES, RolloutOutput, SamplingParams
 
 

@@ -35,7 +35,7 @@ def eval_sets(args, source) -> list[EvalSet]:
 
 def read_records(path: str, args) -> list[dict]:
     """Every record of an evaluation file, in file order, validated like training data."""
-    from megatron_rl.data.source import open_prompt_data
+    from megatron_rl.controller.prompt_source import open_prompt_data
 
     dataset = open_prompt_data(path, args, flag="--eval-prompt-data", shuffle=False)
     return [dataset.record(i) for i in range(len(dataset))]

@@ -22,10 +22,11 @@ import shutil
 import numpy as np
 import torch
 
-from megatron_rl import failpoints, safe_load
-from megatron_rl.checksums import CHECKSUMS_FILE, verify_checksums, write_checksums
-from megatron_rl.conversion import DIST_CHECKPOINTS, META_FILE, MegatronCheckpoint, read_meta
+from megatron_rl.checkpoint import safe_load
+from megatron_rl.checkpoint.checksums import CHECKSUMS_FILE, verify_checksums, write_checksums
+from megatron_rl.checkpoint.megatron_format import DIST_CHECKPOINTS, META_FILE, MegatronCheckpoint, read_meta
 from megatron_rl.models.spec import ModelSpec
+from megatron_rl.runtime import failpoints
 
 TRACKER_FILE, RL_STATE_FILE = "latest_checkpointed_iteration.txt", "rl_state.json"
 # 2: the controller's whole state in rl_state.json, rollouts as {output, meta, reward}, the trainer's layer spec.

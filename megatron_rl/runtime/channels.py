@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.multinode import lost_peer
+from megatron_rl.runtime.multinode import lost_peer
 
 # The run's two channels over the sync group: controller -> generators (requests, weight versions, stop) and
 # generators -> controller (finished rollouts, a group's together).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import re
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, AlgorithmConfig
@@ -18,7 +19,7 @@ from megatron_rl.models.layout import MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
 from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rollout.backends import ENGINE_BACKENDS
-from megatron_rl.rollout.sglang_server import API_KEY_ENV, REDACTED  # API_KEY_ENV: --sglang-api-key's default
+from megatron_rl.rollout.sglang.server import API_KEY_ENV, REDACTED
 
 
 class Secret:
@@ -380,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-CONFIG_DIRS = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"), "configs"]
+# --config NAME: configs/ of this checkout (beside the package), then of the working directory
+CONFIG_DIRS = [str(pathlib.Path(__file__).resolve().parents[2] / "configs"), "configs"]
 
 
 def load_config(name_or_path: str, parser: argparse.ArgumentParser) -> dict:
@@ -484,7 +486,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.sft_lr_warmup_iters < 0:
         parser.error(f"--sft-lr-warmup-iters must be >= 0, got {args.sft_lr_warmup_iters}")
     if not args.prompt_data and args.eval_size:  # the task's held-out set: distinct problems, as many as asked
-        from megatron_rl.data.arithmetic import ArithmeticTask
+        from megatron_rl.data.tasks.arithmetic import ArithmeticTask
 
         try:
             ArithmeticTask(seed=args.seed, min_digits=args.task_min_digits, max_digits=args.task_max_digits,

@@ -85,8 +85,8 @@ def dry_run(args, world_size: int) -> dict:
     import copy
     import os
 
+    from megatron_rl.config.setup import build_run_setup
     from megatron_rl.data.tokenizer import build_char_tokenizer
-    from megatron_rl.run_setup import build_run_setup
 
     # No file is needed: the architecture comes from --load-hf's config.json if it is here, else from --model; the
     # tokenizer from --tokenizer if it is here, else the character tokenizer stands in; --prompt-data and --ref-load

@@ -2,7 +2,7 @@
 problems in OpenAI message form, reference answers (fractions in LaTeX), and a byte-level BPE tokenizer trained
 on the problems with the `tokenizers` library and saved in HF form with a chat template.
 
-    python -m megatron_rl.data.word_problems --out DIR [--train 4000 --eval 200 --seed 0]
+    python -m megatron_rl.data.tasks.word_problems --out DIR [--train 4000 --eval 200 --seed 0]
 
 writes DIR/train.jsonl and DIR/eval.jsonl ({"messages": [...], "answer": ...}: RL prompts and held-out prompts,
 disjoint), DIR/sft.jsonl (the training problems' conversations with a worked answer "\\boxed{...}" as the assistant

@@ -137,7 +137,7 @@ def hf_to_megatron(hf_dir: str, save: str, layout: L.TrainerLayout = L.TrainerLa
         if megatron_format == "safetensors":
             _write_rank_files(spec, layout, ckpt.get_slice, dtype, out, progress)
         else:
-            from megatron_rl.launch import run_on_ranks
+            from megatron_rl.runtime.spawn import run_on_ranks
 
             run_on_ranks(_save_torch_dist_rank, layout.world_size, spec, layout,
                          hf_dir, os.path.join(out, "torch_dist"), dtype, timeout_s=3600)
@@ -243,7 +243,7 @@ class MegatronCheckpoint:
     def _dist_checkpoint_to_rank_files(self) -> str:
         """Per-rank safetensors files of the distributed checkpoint, written by the saved layout's ranks (TP x PP x
         the DP ranks its experts span)."""
-        from megatron_rl.launch import run_on_ranks
+        from megatron_rl.runtime.spawn import run_on_ranks
 
         subdir, key = DIST_CHECKPOINTS[self.meta["format"]]
         self._tmp = tempfile.mkdtemp(prefix="megatron_rl_export_")
@@ -333,7 +333,7 @@ def load_dist_model(model: torch.nn.Module, directory: str, key: str | None = No
     """Collective over Megatron's ranks: this rank's shard of `model` from a Megatron-Core distributed checkpoint
     saved under any TP/PP layout (the model's state under `key`, or at the top level); only the model is read,
     through `safe_load` (weights-only, the index checked first)."""
-    from megatron_rl.safe_load import dist_load
+    from megatron_rl.checkpoint.safe_load import dist_load
 
     sharded = model.sharded_state_dict()
     state = dist_load({key: sharded} if key else sharded, directory, flag="Megatron weights")

@@ -21,8 +21,8 @@ would use). A failure before any RL run has succeeded stops the ablation (the se
 recorded in summary.json, the grid goes on, and the exit status is 1.
 
 Writes OUTPUT_DIR/lag<k>/<loss>/seed<s>/ (each run's metrics.jsonl, eval.json, run.log, ablation_run.json),
-OUTPUT_DIR/summary.json (ablation_summary.py: the rules), and with --docs DOCS_DIR/ablations.md and
-ablations.png (ablation_report.py).
+OUTPUT_DIR/summary.json (summary.py: the rules), and with --docs DOCS_DIR/ablations.md and
+ablations.png (report.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 
-from megatron_rl.bench import ablation_report, ablation_summary
+from megatron_rl.bench.ablation import report, summary
 from megatron_rl.bench.example import EXAMPLE, LAUNCH_COMMON, ROOT, child_env
 
 FULL = {"lags": [0, 1, 2, 4, 8], "losses": ["aipo", "reinforce", "ppo", "tis", "icepop"], "seeds": [1, 2, 3],
@@ -347,12 +347,12 @@ def git_commit() -> str | None:
 
 def build_summary(args: argparse.Namespace, argv: list[str], script: str, grid: dict, context: dict) -> dict:
     """summary.json: the grid, the rules, every run's figures and every cell's over seeds, the cost."""
-    from megatron_rl.arguments import redact_argv
+    from megatron_rl.config.arguments import redact_argv
 
     runs = []
     for (lag, loss, seed), record in grid["runs"].items():
         directory = run_dir(args.output_dir, lag, loss, seed)
-        figures = ablation_summary.summarize_run(ablation_summary.read_records(directory), lag)
+        figures = summary.summarize_run(summary.read_records(directory), lag)
         runs.append({"lag": lag, "loss": loss, "seed": seed, "dir": directory,
                      "launch_seconds": record.get("launch_seconds"), **figures})
     cells = []
@@ -360,13 +360,13 @@ def build_summary(args: argparse.Namespace, argv: list[str], script: str, grid: 
         for loss in args.losses:
             members = [r for r in runs if (r["lag"], r["loss"]) == (lag, loss)]
             if members:
-                cells.append({"lag": lag, "loss": loss, **ablation_summary.summarize_cell(members)})
+                cells.append({"lag": lag, "loss": loss, **summary.summarize_cell(members)})
     warmups = {}
     for seed, record in grid["warmups"].items():
         with open(os.path.join(warmup_dir(args.output_dir, seed), "eval.json")) as f:
             warmups[str(seed)] = {"dir": warmup_dir(args.output_dir, seed), "accuracy": json.load(f)
                                   ["accuracy_before_rl"], "launch_seconds": record.get("launch_seconds")}
-    spread = ablation_summary.spread
+    spread = summary.spread
     return {
         "command": shlex.join(["python", "-m", "megatron_rl.bench", "ablation", *redact_argv(argv)]),
         "git_commit": context["commit"],
@@ -377,9 +377,9 @@ def build_summary(args: argparse.Namespace, argv: list[str], script: str, grid: 
                  "eval_interval": args.eval_interval, "warmup_iters": args.warmup_iters,
                  "extra_flags": redact_argv(args.extra),
                  "quick": args.quick},
-        "target_accuracy": ablation_summary.TARGET_ACCURACY,
-        "rules": {"time_to_target": ablation_summary.TARGET_RULE, "instability": ablation_summary.INSTABILITY_RULE,
-                  "off_policy_statistics": ablation_summary.LAGGED_STEPS_RULE},
+        "target_accuracy": summary.TARGET_ACCURACY,
+        "rules": {"time_to_target": summary.TARGET_RULE, "instability": summary.INSTABILITY_RULE,
+                  "off_policy_statistics": summary.LAGGED_STEPS_RULE},
         "distinct_problems": sorted({r["distinct_problems"] for r in runs if r["distinct_problems"] is not None}),
         "warmups": warmups,
         "cells": cells,
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(summary, f, indent=2)
     print(f"[ablation] {path}", flush=True)
     if args.docs:
-        for written in ablation_report.write_docs(summary, args.docs_dir):
+        for written in report.write_docs(summary, args.docs_dir):
             print(f"[ablation] {written}", flush=True)
     if grid["failed"]:
         print(f"[ablation] {len(grid['failed'])} run(s) failed: "

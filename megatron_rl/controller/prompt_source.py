@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from megatron_rl.data.arithmetic import ArithmeticTask
 from megatron_rl.data.dataset import PromptDataset
 from megatron_rl.data.records import RecordFields
+from megatron_rl.data.tasks.arithmetic import ArithmeticTask
 
 
 def open_prompt_data(path: str, args, flag: str = "--prompt-data", shuffle: bool = True) -> PromptDataset:

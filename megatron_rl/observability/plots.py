@@ -1,6 +1,6 @@
 """Reward and accuracy curves from metrics.jsonl, against wall time, as a PNG.
 
-    python -m megatron_rl.plot RUN_DIR [--baseline SYNC_RUN_DIR] [--out PNG]
+    python -m megatron_rl.observability.plots RUN_DIR [--baseline SYNC_RUN_DIR] [--out PNG]
 
 With a baseline it also says when the run first reached the baseline's final held-out accuracy, as a fraction of
 the baseline's RL wall time (RUN_DIR/compare_baseline.json).
@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 
-from megatron_rl.accounting import read_jsonl
+from megatron_rl.observability.accounting import read_jsonl
 
 
 def read_metrics(run_dir: str) -> list[dict]:

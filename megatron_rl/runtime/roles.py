@@ -19,7 +19,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from megatron_rl.device import DeviceId, backend_for
+from megatron_rl.runtime.device import DeviceId, backend_for
 
 
 @dataclasses.dataclass

@@ -62,14 +62,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one
 def model_directory(args) -> str | None:
     """The directory the run's model comes from, whose generation_config.json (and tokenizer) belong to it:
     --load-hf, --load-megatron's weights, or the iteration a resume (--load) starts from; None for a new model."""
-    from megatron_rl import checkpointing
+    from megatron_rl.checkpoint import rl_checkpoint
 
     if args.load_hf:
         return args.load_hf
     if args.load_megatron:
-        return checkpointing.weights_directory(args.load_megatron, flag="--load-megatron")
+        return rl_checkpoint.weights_directory(args.load_megatron, flag="--load-megatron")
     if args.load:
-        return checkpointing.iteration_dir(args.load, checkpointing.latest_checkpoint_step(args.load))
+        return rl_checkpoint.iteration_dir(args.load, rl_checkpoint.latest_checkpoint_step(args.load))
     return None
 
 
@@ -209,11 +209,11 @@ def check_megatron_config(spec: ModelSpec, trainer: TrainerLayout) -> None:
 def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     """Validate the launch and return its setup. `tokenizer`: use this one instead of loading --tokenizer (the
     dry run plans without tokenizer files)."""
-    from megatron_rl import checkpointing
+    from megatron_rl.checkpoint import rl_checkpoint
     from megatron_rl.data.readers import file_format
     from megatron_rl.ddma.plan import validate as validate_plan
     from megatron_rl.rewards.registry import reward_factory
-    from megatron_rl.rollout.sglang_flags import check_server_flags
+    from megatron_rl.rollout.sglang.flags import check_server_flags
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args)
     spec = model_spec(args, tokenizer)
@@ -225,7 +225,7 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     if getattr(args, "use_rollout_routing_replay", False) and not spec.is_moe:
         raise ValueError(f"--use-rollout-routing-replay: model {spec.name!r} has no experts to route")
     if getattr(args, "rollout_backend", "local") == "sglang":
-        from megatron_rl.rollout.sglang_server import served_model_problems
+        from megatron_rl.rollout.sglang.server import served_model_problems
 
         problems = served_model_problems(spec, {})  # what no SGLang server argument can fix (a sliding window)
         if problems:
@@ -243,7 +243,7 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
             raise ValueError(f"{flag} {path!r}: no such file")
         file_format(path, flag)
     if args.load:  # before any work: a damaged or foreign checkpoint fails here, naming what is wrong
-        checkpointing.check_checkpoint(args.load, spec, trainer.transformer_impl,
+        rl_checkpoint.check_checkpoint(args.load, spec, trainer.transformer_impl,
                                        needs_reference=bool(args.kl_coef) and not args.ref_load,
                                        expert_model_parallel_size=trainer.expert_model_parallel_size,
                                        controlled_lag=getattr(args, "controlled_lag", None))
@@ -252,7 +252,7 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
 
         check_reference_checkpoint(args.ref_load, spec, trainer.transformer_impl)
     if args.load_megatron:  # the initial weights: the model in them is this run's
-        checkpointing.check_initial_weights(args.load_megatron, spec, trainer.transformer_impl)
+        rl_checkpoint.check_initial_weights(args.load_megatron, spec, trainer.transformer_impl)
     sglang_flags = check_server_flags(args.sglang) if getattr(args, "sglang", None) else {}
     setup = RunSetup(args, tokenizer, spec, trainer, generator, sglang_flags)
     setup.stop_token_ids  # noqa: B018 - reads generation_config.json now: a bad one fails here, not mid-run

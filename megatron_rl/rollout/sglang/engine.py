@@ -38,10 +38,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_rl import failpoints
 from megatron_rl.models.spec import ModelSpec
-from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerError
+from megatron_rl.rollout.sglang.server import SGLangServer, SGLangServerError
 from megatron_rl.rollout.types import LOGPROB_CONVENTION, PAUSE_MODES, RolloutOutput, SamplingParams
+from megatron_rl.runtime import failpoints
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -457,7 +457,7 @@ def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, 
     leader's error if not, so no rank is left waiting on a replica that never came up. `api_key`: the server's
     --api-key (given to a launched one), sent with every request; an attached server that refuses it is an error
     here, before any work."""
-    from megatron_rl.launch import free_port
+    from megatron_rl.runtime.spawn import free_port
 
     server, error = None, [None]
     if is_leader:

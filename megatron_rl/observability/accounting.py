@@ -109,11 +109,11 @@ def account(output_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m megatron_rl.accounting OUTPUT_DIR`: print the figures as JSON; exit 1 if anything is unaccounted
-    for."""
+    """`python -m megatron_rl.observability.accounting OUTPUT_DIR`: print the figures as JSON; exit 1 if anything
+    is unaccounted for."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.accounting", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.observability.accounting", description=main.__doc__)
     parser.add_argument("output_dir", help="a run's --output-dir (rollouts.jsonl, metrics.jsonl, eval.json)")
     figures = account(parser.parse_args(argv).output_dir)
     print(json.dumps(figures, indent=1))

@@ -1,0 +1,1 @@
+"""The off-policy correction vs lag ablation: the grid of runs (`study`), its summary and its report."""

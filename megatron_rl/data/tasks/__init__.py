@@ -1,0 +1,1 @@
+"""Built-in synthetic tasks a tiny model learns on a CPU, generated from a seed (no downloads)."""
