@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.models.spec import ModelSpec
 
 
@@ -18,7 +18,7 @@ def random_hf_weights(spec: ModelSpec, seed: int = 0, std: float = 0.05) -> dict
     """Deterministic random HF-named fp32 weights (norm weights near 1)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for name, shape in L.hf_shapes(spec).items():
+    for name, shape in weight_map.hf_shapes(spec).items():
         t = torch.randn(shape, generator=g) * std
         out[name] = t + 1.0 if name.endswith("norm.weight") else t
     return out
@@ -31,8 +31,8 @@ def mismatched_generator_tensors(engine, spec: ModelSpec, hf: dict[str, torch.Te
     from megatron_rl.models.fp8 import quantize_block_fp8
 
     mismatched = []
-    for name, shard in L.sglang_shards(spec, tp, tp_rank, ep).items():
-        expected, got = L.assemble(shard, L.slicer(hf)), engine.decoder.params[name]
+    for name, shard in weight_map.sglang_shards(spec, tp, tp_rank, ep).items():
+        expected, got = weight_map.assemble(shard, weight_map.slicer(hf)), engine.decoder.params[name]
         if got.dtype == torch.float8_e4m3fn:
             q, s = quantize_block_fp8(expected)
             ok = torch.equal(got.view(torch.uint8), q.view(torch.uint8)) and \

@@ -342,39 +342,47 @@ def test_diagnostics_on_and_off_policy():
 
 # ---- registries ------------------------------------------------------------------------------------------------
 
-def _readme_loss(x, config):
-    """The new-loss example of the README, verbatim: AIPO written from scratch."""
+def _readme_loss(x, p):
+    """The new-loss example of the losses registry's docstring, verbatim: AIPO written from scratch."""
     ratio = torch.exp(x.logprobs.detach() - x.behavior_logprobs)
-    per_token = -ratio.clamp(max=config.rho) * x.advantages[:, None] * x.logprobs
-    return aggregate(per_token, x.loss_mask, **x.aggregation), {"clip_high": ratio > config.rho}
+    per_token = -ratio.clamp(max=p.rho) * x.advantages[:, None] * x.logprobs
+    return aggregate(per_token, x.loss_mask, **x.aggregation), {"clip_high": ratio > p.rho}
 
 
-def test_a_registered_loss_is_selectable_and_the_readme_example_is_aipo(monkeypatch):
-    from megatron_rl.algorithms import LOSSES, AlgorithmConfig, Loss, LossInputs
+def test_a_registered_loss_brings_its_flags_and_the_docstring_example_is_aipo(monkeypatch):
+    """One registry line: --loss offers the new loss, the parser takes its flag, the range check runs."""
+    from megatron_rl.algorithms import LOSSES, AlgorithmConfig, Hyperparameter, Loss, LossInputs
+    from megatron_rl.config.arguments import parse_args
 
-    monkeypatch.setitem(LOSSES, "my-loss", Loss(_readme_loss))
-    mine, aipo = AlgorithmConfig(loss="my-loss", rho=2.0), AlgorithmConfig(loss="aipo", rho=2.0)
+    rho = Hyperparameter("rho", "--my-rho", 4.0, "my clip", lambda v: v > 0, "must be > 0")
+    monkeypatch.setitem(LOSSES, "my-loss", Loss(_readme_loss, (rho,), "AIPO written again"))
+    mine = AlgorithmConfig.from_args(parse_args(["--model", "tiny-llama", "--loss", "my-loss", "--my-rho", "2"]))
+    aipo = AlgorithmConfig(loss="aipo", loss_params={"rho": 2.0})
     grads, clipped = [], []
     for config in (mine, aipo):
         lp, blp, adv, mask = _batch()
         aggregation = {"aggregation": "token-mean", "normalizer": 7.0, "constant": None}
-        loss, indicators = LOSSES[config.loss].compute(LossInputs(lp, blp, adv, mask, aggregation), config)
+        loss, indicators = LOSSES[config.loss].compute(LossInputs(lp, blp, adv, mask, aggregation), config.params)
         loss.backward()
         grads.append(lp.grad)
         clipped.append(indicators["clip_high"] & mask)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-12, rtol=0)
     assert torch.equal(clipped[0], clipped[1]) and clipped[0].any()
+    with pytest.raises(ValueError, match=r"--my-rho must be > 0, got -1"):
+        AlgorithmConfig(loss="my-loss", loss_params={"rho": -1.0})
+    with pytest.raises(ValueError, match=r"--loss my-loss has no hyperparameter clip_eps \(it has: rho\)"):
+        AlgorithmConfig(loss="my-loss", loss_params={"clip_eps": 0.1})
     with pytest.raises(ValueError, match=r"--loss 'nope' is unknown; choose one of \[.*'my-loss'"):
         AlgorithmConfig(loss="nope")
 
 
 def test_flag_choices_are_the_registries_names():
-    from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, POLICY_LOSSES
+    from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, policy_losses
     from megatron_rl.config.arguments import build_parser
-    from megatron_rl.rollout.backends import ENGINE_BACKENDS
+    from megatron_rl.rollout import ENGINE_BACKENDS
 
     actions = {a.dest: a for a in build_parser()._actions}
-    assert list(actions["loss"].choices) == POLICY_LOSSES and "sft" not in POLICY_LOSSES
+    assert list(actions["loss"].choices) == policy_losses() and "sft" not in policy_losses()
     assert set(actions["advantage_estimator"].choices) == set(ADVANTAGE_ESTIMATORS)
     assert set(actions["loss_aggregation"].choices) == set(AGGREGATIONS)
     assert set(actions["rollout_backend"].choices) == set(ENGINE_BACKENDS) == {"local", "sglang"}

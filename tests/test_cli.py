@@ -126,8 +126,8 @@ def test_dry_run_memory_for_8b_matches_hand_computation():
 def test_dry_run_memory_for_235b_holds_only_the_ranks_experts():
     from megatron_rl.config.dry_run import trainer_memory
     from megatron_rl.config.setup import layouts
-    from megatron_rl.models.layout import megatron_shards
     from megatron_rl.models.spec import get_model_spec
+    from megatron_rl.models.weight_map import megatron_shards
 
     # configs/qwen3-235b-a22b.json at the example's world size: trainer TP=4 PP=8 DP=8 (256), 8 generators x TP=8.
     trainer, generator = layouts(parse_args(["--config", "qwen3-235b-a22b", "--rollout-num-replicas", "8"]), 320)

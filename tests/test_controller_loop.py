@@ -17,9 +17,9 @@ from megatron_rl.config.setup import RunSetup, model_spec
 from megatron_rl.controller.buffer import Rollout, RolloutBuffer
 from megatron_rl.controller.loop import Controller
 from megatron_rl.data.tokenizer import build_char_tokenizer
-from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
+from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
 from megatron_rl.observability.accounting import account
-from megatron_rl.rewards.result import RewardResult
+from megatron_rl.rewards.types import RewardResult
 from megatron_rl.rollout.types import RequestMeta, RolloutOutput
 
 TOKENIZER = build_char_tokenizer()

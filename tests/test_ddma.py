@@ -2,7 +2,7 @@
 weights sliced the SGLang way (FP8: bit-equal to the block-FP8 quantization of that slice), no rank moves
 more bytes than planned, and layouts the generator cannot take fail at planning time.
 
-Trainer ranks hold exactly their Megatron shards (built through `models.layout`, which tests/test_trainer.py
+Trainer ranks hold exactly their Megatron shards (built through `models.weight_map`, which tests/test_trainer.py
 and tests/test_megatron_cpu.py check against real Megatron-Core parameters); generator ranks are real
 LocalEngines receiving through `publish`. One 8-process launch runs every layout combination."""
 
@@ -13,8 +13,8 @@ import torch
 from helpers import mismatched_generator_tensors, random_hf_weights
 
 from megatron_rl.ddma.plan import make_plan, summarize
-from megatron_rl.models import layout as L
-from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
+from megatron_rl.models import weight_map
+from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.runtime.spawn import run_on_ranks
 
@@ -46,8 +46,8 @@ def _sync_all_cases(cases):
         result = {"case": case, "rank": rank}
         if rank < trainer.world_size:
             my_tp, my_pp = rank % tp, rank // (tp * dp)
-            shards = L.megatron_shards(spec, trainer, my_tp, my_pp)
-            tensors = {n: L.assemble(s, L.slicer(hf)) for n, s in shards.items()}
+            shards = weight_map.megatron_shards(spec, trainer, my_tp, my_pp)
+            tensors = {n: weight_map.assemble(s, weight_map.slicer(hf)) for n, s in shards.items()}
             # Every other case the trainer posts its sends in the background (as the RL loop does) and waits later.
             done = publish(plan, rank, version=case + 1, trainer_tensors=tensors, transport=transport,
                            bucket_bytes=4096, debug_checksums=True, background=case % 2 == 1)
@@ -86,8 +86,8 @@ def _background_publish():
     hf = random_hf_weights(TINY, seed=3)
     posted = torch.zeros(1)
     if dist.get_rank() == 0:
-        shards = L.megatron_shards(TINY, plan.trainer, 0, 0)
-        tensors = {n: L.assemble(s, L.slicer(hf)) for n, s in shards.items()}
+        shards = weight_map.megatron_shards(TINY, plan.trainer, 0, 0)
+        tensors = {n: weight_map.assemble(s, weight_map.slicer(hf)) for n, s in shards.items()}
         transport = TorchDistTransport()
         pending = publish(plan, 0, version=1, trainer_tensors=tensors, transport=transport, background=True)
         dist.send(posted + 1, 1, tag=99)
@@ -97,8 +97,8 @@ def _background_publish():
     dist.irecv(posted, 0, tag=99).wait(datetime.timedelta(seconds=60))
     publish(plan, 1, version=1, engine=engine)
     return {"posted_first": posted.item() == 1,
-            "equal": all(torch.equal(engine.decoder.params[n], L.assemble(s, L.slicer(hf)))
-                         for n, s in L.sglang_shards(TINY, 1, 0).items())}
+            "equal": all(torch.equal(engine.decoder.params[n], weight_map.assemble(s, weight_map.slicer(hf)))
+                         for n, s in weight_map.sglang_shards(TINY, 1, 0).items())}
 
 
 def test_a_background_publish_returns_before_the_generator_receives():

@@ -123,8 +123,8 @@ def _failed_update_keeps_serving():
 
     from megatron_rl.ddma.plan import make_plan
     from megatron_rl.ddma.sync import publish
-    from megatron_rl.models import layout as L
-    from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
+    from megatron_rl.models import weight_map
+    from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
     from megatron_rl.rollout.local.engine import LocalEngine
 
     class FailsVersion2(LocalEngine):
@@ -137,14 +137,15 @@ def _failed_update_keeps_serving():
     weights = {v: random_hf_weights(TINY, seed=v) for v in (1, 2, 3)}
     if dist.get_rank() == 0:
         for v in (1, 2, 3):
-            shards = L.megatron_shards(TINY, plan.trainer, 0, 0)
-            publish(plan, 0, v, trainer_tensors={n: L.assemble(s, L.slicer(weights[v])) for n, s in shards.items()})
+            shards = weight_map.megatron_shards(TINY, plan.trainer, 0, 0)
+            tensors = {n: weight_map.assemble(s, weight_map.slicer(weights[v])) for n, s in shards.items()}
+            publish(plan, 0, v, trainer_tensors=tensors)
         return None
     engine = FailsVersion2(TPDecoder(TINY))
 
     def serves(v):
-        return all(torch.equal(engine.decoder.params[n], L.assemble(s, L.slicer(weights[v])))
-                   for n, s in L.sglang_shards(TINY, 1, 0).items())
+        return all(torch.equal(engine.decoder.params[n], weight_map.assemble(s, weight_map.slicer(weights[v])))
+                   for n, s in weight_map.sglang_shards(TINY, 1, 0).items())
 
     publish(plan, 1, 1, engine=engine)
     first = engine.decoder.params["model.norm.weight"]

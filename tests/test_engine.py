@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import random_hf_weights
 
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.models.hf import save_random_hf_model
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.rollout import LocalEngine, SamplingParams
@@ -75,7 +75,8 @@ def test_sampled_logprobs_are_after_temperature_before_truncation(model_dir):
 
 
 def _runtime_shards(spec, hf, tp, rank):
-    return [(name, L.assemble(lay, L.slicer(hf))) for name, lay in L.sglang_shards(spec, tp, rank).items()]
+    shards = weight_map.sglang_shards(spec, tp, rank)
+    return [(name, weight_map.assemble(lay, weight_map.slicer(hf))) for name, lay in shards.items()]
 
 
 def _hf_greedy_on_old_cache(old, new, prompt, tokens, n):

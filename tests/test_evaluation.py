@@ -2,7 +2,7 @@
 a NaN), and eval.json's before / after / history per set."""
 
 from megatron_rl.controller.evaluation import EvalSet, report, summarize
-from megatron_rl.rewards.result import RewardResult
+from megatron_rl.rewards.types import RewardResult
 
 RIGHT, WRONG = RewardResult(1.0, "scored"), RewardResult(0.0, "scored")
 TIMEOUT = RewardResult(0.0, "timeout", detail="no verdict within 5 s")

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.models.hf import hf_config, save_random_hf_model
-from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.models.spec import MODELS, ModelSpec, get_model_spec
 from megatron_rl.runtime.spawn import run_on_ranks
 
@@ -165,14 +165,14 @@ def test_bad_layout_and_existing_output_are_refused(tmp_path):
 
 
 def test_interrupted_export_leaves_nothing_that_looks_valid(tmp_path):
-    from megatron_rl.checkpoint import megatron_format as convert
+    from megatron_rl.checkpoint import hf_conversion
 
     hf_dir, meg = tmp_path / "hf", tmp_path / "meg"
     save_random_hf_model(LLAMA, hf_dir)
-    convert.hf_to_megatron(str(hf_dir), str(meg), TrainerLayout(2, 1), progress=False)
+    hf_conversion.hf_to_megatron(str(hf_dir), str(meg), TrainerLayout(2, 1), progress=False)
     os.remove(meg / "mp_rank_01_000.safetensors")
     with pytest.raises(FileNotFoundError, match="mp_rank_01_000.safetensors"):
-        convert.megatron_to_hf(str(meg), str(tmp_path / "out"), progress=False)
+        hf_conversion.megatron_to_hf(str(meg), str(tmp_path / "out"), progress=False)
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
 
 
@@ -250,7 +250,7 @@ def rl_trained(tmp_path_factory):
     base = tmp_path_factory.mktemp("rl_trained")
     hf_dir, meg = base / "hf", base / "meg"
     hf_model = save_random_hf_model(RUN_SPEC, hf_dir, seed=6)
-    from megatron_rl.checkpoint.megatron_format import hf_to_megatron
+    from megatron_rl.checkpoint.hf_conversion import hf_to_megatron
 
     hf_to_megatron(str(hf_dir), str(meg), TrainerLayout(1, 1), progress=False)
     with torch.no_grad():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_trainer import SPEC, TEMPERATURE, _batch, _merge, _params
 
-from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.runtime.spawn import run_on_ranks
 from megatron_rl.trainer import parallel
 
@@ -35,7 +35,8 @@ def _trainer(tp, pp, seed_weights=0, kl_coef=0.1, kl_estimator="k3"):
     policy = build_policy(SPEC, layout, lr=1e-3, adam_eps=1e-4,
                           init_weights=lambda m: load_hf_weights(m, SPEC, layout,
                                                                  random_hf_weights(SPEC, seed=seed_weights)))
-    algo = AlgorithmConfig(loss="aipo", rho=2.0, temperature=TEMPERATURE, kl_coef=kl_coef, kl_estimator=kl_estimator)
+    algo = AlgorithmConfig(loss="aipo", loss_params={"rho": 2.0}, temperature=TEMPERATURE, kl_coef=kl_coef,
+                           kl_estimator=kl_estimator)
     return PolicyTrainer(policy, algo, micro_batch_size=1, reference=ReferenceModel(policy))
 
 
@@ -138,7 +139,7 @@ def _layouts_rank(hf_dir, megatron_dir):
 
 
 def test_reference_logprobs_are_the_same_under_every_layout_and_checkpoint_format(tmp_path):
-    from megatron_rl.checkpoint.megatron_format import hf_to_megatron
+    from megatron_rl.checkpoint.hf_conversion import hf_to_megatron
 
     hf_dir = _write_hf_dir(tmp_path / "hf", seed=0)
     megatron_dir = str(tmp_path / "megatron")

@@ -202,7 +202,7 @@ def test_every_policy_loss_is_covered():
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_registered_losses_add_up_across_microbatches_and_ignore_masked_tokens(name):
-    config = AlgorithmConfig(loss=name, **CONFIGS[name])
+    config = AlgorithmConfig(loss=name, loss_params=CONFIGS[name]).params
     lp, blp, adv, mask = _random_batch(9, B=4)
     lp = torch.where(mask, lp.detach(), float("-inf")).requires_grad_()
     blp = torch.where(mask, blp, float("nan"))
@@ -233,6 +233,9 @@ def test_registered_losses_add_up_across_microbatches_and_ignore_masked_tokens(n
     (["--loss", "cispo", "--cispo-eps-high", "0"], "--cispo-eps-high must be > 0"),
     (["--loss", "decoupled-ppo", "--behav-imp-weight-cap", "0.5"], "--behav-imp-weight-cap must be > 1"),
     (["--loss", "tis", "--behav-imp-weight-cap", "5"], "--behav-imp-weight-cap applies to --loss decoupled-ppo"),
+    (["--loss", "ppo", "--cispo-eps-low", "0.4"], "--cispo-eps-low applies to --loss cispo, not ppo"),
+    (["--loss", "cispo", "--ppo-clip-eps-high", "0.3"],
+     "--ppo-clip-eps-high applies to --loss decoupled-ppo, gspo, ppo, tis"),
     (["--aipo-rho", "0"], "--aipo-rho must be a positive finite number"),
 ])
 def test_bad_loss_flags_are_refused_naming_the_flag(flags, message, capsys):
@@ -244,17 +247,29 @@ def test_bad_loss_flags_are_refused_naming_the_flag(flags, message, capsys):
 
 
 def test_loss_flags_reach_the_algorithm_config():
-    from megatron_rl.config.arguments import algorithm_config, parse_args
+    """Each loss's hyperparameters come from their flags, and only the chosen loss's."""
+    from megatron_rl.config.arguments import parse_args
 
-    config = algorithm_config(parse_args([
+    config = AlgorithmConfig.from_args(parse_args([
         "--model", "tiny-llama", "--loss", "decoupled-ppo", "--ppo-clip-eps", "0.1", "--ppo-clip-eps-high", "0.3",
-        "--ppo-dual-clip-c", "4", "--tis-clip", "1.5", "--is-mask-low", "0.2", "--is-mask-high", "8",
-        "--cispo-eps-low", "0.4", "--cispo-eps-high", "2", "--behav-imp-weight-cap", "6"]))
-    assert (config.loss, config.clip_eps, config.clip_eps_high, config.dual_clip_c, config.tis_clip) == \
-        ("decoupled-ppo", 0.1, 0.3, 4.0, 1.5)
-    assert (config.is_mask_low, config.is_mask_high, config.cispo_eps_low, config.cispo_eps_high,
-            config.behav_imp_weight_cap) == (0.2, 8.0, 0.4, 2.0, 6.0)
-    default = algorithm_config(parse_args(["--model", "tiny-llama"]))
-    assert (default.loss, default.dual_clip_c, default.tis_clip, default.is_mask_low, default.is_mask_high,
-            default.cispo_eps_low, default.cispo_eps_high, default.behav_imp_weight_cap) == \
-        ("aipo", None, 2.0, 0.5, 5.0, None, 3.0, None)
+        "--ppo-dual-clip-c", "4", "--behav-imp-weight-cap", "6", "--is-mask-low", "0.2"]))  # an icepop flag: unused
+    assert config.loss == "decoupled-ppo"
+    assert dict(config.loss_params) == {"clip_eps": 0.1, "clip_eps_high": 0.3, "dual_clip_c": 4.0,
+                                        "behav_imp_weight_cap": 6.0}
+    cispo = AlgorithmConfig.from_args(parse_args(["--model", "tiny-llama", "--loss", "cispo", "--cispo-eps-low",
+                                                  "0.4", "--cispo-eps-high", "2"]))
+    assert dict(cispo.loss_params) == {"cispo_eps_low": 0.4, "cispo_eps_high": 2.0}
+    default = AlgorithmConfig.from_args(parse_args(["--model", "tiny-llama"]))
+    assert (default.loss, dict(default.loss_params)) == ("aipo", {"rho": 4.0})
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_hyperparameter_flag_reaches_its_loss(name):
+    """Whatever the registry declares: each flag of a loss, given a valid value, arrives as that loss's parameter."""
+    from megatron_rl.algorithms.losses import LOSSES
+    from megatron_rl.config.arguments import parse_args
+
+    for h in LOSSES[name].hyperparameters:
+        value = 6.0 if h.name == "is_mask_high" else 0.5 if h.valid(0.5) else 1.5  # valid, unlike every default
+        config = AlgorithmConfig.from_args(parse_args(["--model", "tiny-llama", "--loss", name, h.flag, str(value)]))
+        assert config.loss_params[h.name] == value and getattr(config.params, h.name) == value, h.flag

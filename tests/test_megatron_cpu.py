@@ -8,7 +8,7 @@ which moves results by ~1e-7; anything wrong with sharding moves them by > 1e-2)
 import pytest
 import torch
 
-from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.runtime.spawn import run_on_ranks
 from megatron_rl.trainer import parallel

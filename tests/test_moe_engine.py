@@ -12,10 +12,10 @@ import torch
 from helpers import mismatched_generator_tensors, random_hf_weights
 
 from megatron_rl.ddma.plan import make_plan, summarize
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.models.fp8 import is_fp8_weight
 from megatron_rl.models.hf import save_random_hf_model
-from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
+from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.rollout import LocalEngine, SamplingParams
@@ -169,7 +169,8 @@ def test_dense_models_record_no_routes(models):
 
 def _runtime_shards(directory, spec):
     ckpt = HFCheckpoint(str(directory))
-    return [(name, L.assemble(lay, ckpt.get_slice)) for name, lay in L.sglang_shards(spec, 1, 0).items()]
+    shards = weight_map.sglang_shards(spec, 1, 0)
+    return [(name, weight_map.assemble(lay, ckpt.get_slice)) for name, lay in shards.items()]
 
 
 def _hf_continue_on_old_cache(old, new, spec, prompt, tokens, n):
@@ -271,9 +272,9 @@ def _ddma_cases(cases):
         result = {}
         if rank < trainer.world_size:
             tp, dp = rank % trainer.tensor_parallel_size, rank // trainer.tensor_parallel_size
-            shards = L.megatron_shards(spec, trainer, tp, 0, dp)
+            shards = weight_map.megatron_shards(spec, trainer, tp, 0, dp)
             publish(plan, rank, version=i + 1, transport=transport, bucket_bytes=4096, debug_checksums=True,
-                    trainer_tensors={n: L.assemble(s, L.slicer(hf)) for n, s in shards.items()})
+                    trainer_tensors={n: weight_map.assemble(s, weight_map.slicer(hf)) for n, s in shards.items()})
         elif rank < trainer.world_size + generator.world_size:
             j, gtp, gep = rank - generator.first_rank, generator.tensor_parallel_size, generator.expert_parallel_size
             engine = LocalEngine(TPDecoder(spec, gtp, j, None, fp8=generator.fp8, ep_size=gep))
@@ -307,7 +308,7 @@ def test_ddma_leaves_expert_weights_bit_equal(ddma_reports, case):
     for j, r in enumerate(generators):
         assert r["mismatched"] == [] and r["version"] == case + 1
         if generator.fp8:
-            names = L.sglang_shards(spec, generator.tensor_parallel_size, j, generator.expert_parallel_size)
+            names = weight_map.sglang_shards(spec, generator.tensor_parallel_size, j, generator.expert_parallel_size)
             assert r["fp8_tensors"] == sum(is_fp8_weight(n) for n in names) > 2 * spec.num_layers  # experts too
     for r in rows:  # exactly the planned bytes, plus one 8-byte checksum per bucket
         assert (r["sent"] - r["planned_sent"]) % 8 == 0 and r["sent"] >= r["planned_sent"]
@@ -333,7 +334,7 @@ def test_each_generator_rank_receives_exactly_its_own_shard(case):
 
 def test_generator_expert_parallelism_receives_only_its_experts():
     spec, trainer = QWEN3_MOE, TrainerLayout(1, 1, 2, dtype_bytes=4, expert_model_parallel_size=2)
-    all_experts = 4 * sum(v[0] * v[1] for n, v in L.hf_shapes(spec).items() if ".experts." in n)
+    all_experts = 4 * sum(v[0] * v[1] for n, v in weight_map.hf_shapes(spec).items() if ".experts." in n)
     plans = {ep: make_plan(spec, trainer, GeneratorLayout(2, 1, first_rank=2, expert_parallel_size=ep))
              for ep in (1, 2)}
     for ep, plan in plans.items():

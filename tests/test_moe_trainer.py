@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.runtime.spawn import run_on_ranks
 
@@ -109,7 +109,8 @@ def _train(hf_dir, ep, advantages, coeff, optimizer="adam", lr=1e-3, export=None
         init = None if hf_dir is None else lambda m: load_hf_weights(m, spec, layout, HFCheckpoint(hf_dir).get_slice)
         policy = build_policy(spec, layout, lr=lr, optimizer=optimizer, clip_grad=0.0, adam_eps=1e-4,
                               moe_aux_loss_coeff=coeff, init_weights=init)
-        trainer = PolicyTrainer(policy, AlgorithmConfig(loss="aipo", rho=2.0, temperature=0.7), micro_batch_size=1)
+        algo = AlgorithmConfig(loss="aipo", loss_params={"rho": 2.0}, temperature=0.7)
+        trainer = PolicyTrainer(policy, algo, micro_batch_size=1)
         if hf_dir is None:
             load_trainer_checkpoint(policy, resume)
             metrics = trainer.train_step(_batch(SECOND))
@@ -321,7 +322,7 @@ def test_a_distributed_checkpoint_at_ep2_loads_at_ep1(launched):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen3"])
 def test_hf_megatron_hf_round_trips_are_bit_identical(models, tmp_path, name):
-    from megatron_rl.checkpoint import megatron_format
+    from megatron_rl.checkpoint import hf_conversion, megatron_format
 
     hf_dir = models[name][0]
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
@@ -334,14 +335,14 @@ def test_hf_megatron_hf_round_trips_are_bit_identical(models, tmp_path, name):
     for kwargs in layouts:
         layout = TrainerLayout(**kwargs)
         meg, back = tmp_path / "meg", tmp_path / "back"
-        megatron_format.hf_to_megatron(hf_dir, str(meg), layout, overwrite=True, progress=False)
+        hf_conversion.hf_to_megatron(hf_dir, str(meg), layout, overwrite=True, progress=False)
         span = layout.expert_replica_span
         expected = sorted(megatron_format.rank_file(t, p, d if span > 1 else None)
                           for p in range(layout.pipeline_parallel_size) for t in range(layout.tensor_parallel_size)
                           for d in range(span))
         assert sorted(f for f in os.listdir(meg) if f.startswith("mp_rank")) == expected, kwargs
         assert megatron_format.MegatronCheckpoint(str(meg)).layout == megatron_format.weights_layout(layout)
-        megatron_format.megatron_to_hf(str(meg), str(back), overwrite=True, progress=False)
+        hf_conversion.megatron_to_hf(str(meg), str(back), overwrite=True, progress=False)
         restored = load_file(back / "model.safetensors")
         assert restored.keys() == original.keys(), kwargs
         for tensor in original:
@@ -373,7 +374,7 @@ def test_expert_layouts_that_cannot_train_are_refused_at_setup(world, flags, pat
 
 
 def test_expert_flags_reach_the_layout_and_the_config():
-    from megatron_rl.trainer.model import transformer_config
+    from megatron_rl.models.megatron_config import transformer_config
 
     setup = _setup(3, "--model", "tiny-mixtral", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
                    "allgather", "--moe-aux-loss-coeff", "0.01")

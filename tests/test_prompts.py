@@ -127,7 +127,7 @@ def _megatron_padded_vocab(vocab_size, divisible_by, tp):
                                                    ("tiny-qwen2", 2, 8)])
 def test_a_model_from_scratch_takes_the_tokenizers_vocabulary_padded_as_megatron_pads(tmp_path, model, tp,
                                                                                        divisible_by):
-    from megatron_rl.models.layout import megatron_shards
+    from megatron_rl.models.weight_map import megatron_shards
 
     # More tokens than the named tiny specs' 128: the tokenizer decides the vocabulary, not the spec.
     directory = _save_tokenizer(tmp_path / "tok", words=[f"word{i}" for i in range(70)])

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from megatron_rl.algorithms import POLICY_LOSSES
+from megatron_rl.algorithms import policy_losses
 from megatron_rl.observability.accounting import account
 from megatron_rl.observability.accounting import main as accounting_main
 from megatron_rl.runtime.lifetime import wait_until_gone
@@ -242,7 +242,7 @@ def test_malformed_dataset_lines_are_named(tmp_path, line, message):
     ("{not json", ": invalid JSON"),
     ('{"tensor_model_paralel_size": 2}', ": unknown field(s) ['tensor_model_paralel_size']"),
     ('{"lr": "fast"}', ": field 'lr' must be float, got str"),
-    ('{"loss": "grpo"}', f": field 'loss' must be one of {POLICY_LOSSES}, got 'grpo'"),
+    ('{"loss": "grpo"}', f": field 'loss' must be one of {policy_losses()}, got 'grpo'"),
     ('{"train_iters": 2.5}', ": field 'train_iters' must be int, got float"),
     ("[1, 2]", ": must be a JSON object of flag values, got list"),
 ])

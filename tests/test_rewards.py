@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from megatron_rl.rewards import MathScorer, RewardResult, RewardSample, build_reward_fn, combine, extract_answer
-from megatron_rl.rewards.pool import WorkerPool
 from megatron_rl.rewards.rules import format_reward
+from megatron_rl.rewards.workers import WorkerPool
 
 TIMEOUT = 2
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -218,7 +218,7 @@ def test_a_worker_that_cannot_start_stops_the_pool_with_its_reason():
 
 KILLED_PARENT = textwrap.dedent("""
     import os, signal
-    from megatron_rl.rewards.pool import WorkerPool
+    from megatron_rl.rewards.workers import WorkerPool
 
     def busy():
         print(os.getpid(), flush=True)  # this worker is inside a task now, not reading its pipe

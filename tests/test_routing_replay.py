@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.runtime.spawn import run_on_ranks
 from megatron_rl.trainer.batch import TrainBatch
@@ -155,7 +155,7 @@ def test_with_routes_pads_positions_without_a_route():
 
 def _rollout(prompt, response, routes, finish_reason="stop", reward=1.0):
     from megatron_rl.controller.buffer import Rollout
-    from megatron_rl.rewards.result import RewardResult
+    from megatron_rl.rewards.types import RewardResult
     from megatron_rl.rollout.types import RequestMeta, RolloutOutput
 
     output = RolloutOutput("r", prompt, response, [-1.0] * len(response), [0] * len(response), finish_reason,

@@ -44,7 +44,7 @@ def test_layouts_take_every_flag_and_the_world_size():
 
 
 def test_megatron_lm_model_and_memory_flags_reach_the_trainer():
-    from megatron_rl.trainer.model import transformer_config
+    from megatron_rl.models.megatron_config import transformer_config
 
     setup = _setup(2, "--group-query-attention", "--num-query-groups", "1", "--max-position-embeddings", "512",
                    "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
@@ -55,7 +55,7 @@ def test_megatron_lm_model_and_memory_flags_reach_the_trainer():
 
 
 def test_uneven_stages_reach_megatron_and_the_405b_config_passes_a_launchs_validation():
-    from megatron_rl.trainer.model import transformer_config
+    from megatron_rl.models.megatron_config import transformer_config
 
     setup = _setup(3, "--num-layers", "5", "--pipeline-model-parallel-size", "2",
                    "--decoder-first-pipeline-num-layers", "1")

@@ -16,11 +16,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megatron_rl.config.arguments import parse_args, redact_argv
+from megatron_rl.config.arguments import parse_args
 from megatron_rl.config.setup import build_run_setup
 from megatron_rl.data.tokenizer import build_char_tokenizer
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.observability.metrics import run_config
+from megatron_rl.rollout.sglang.arguments import redact_argv
 from megatron_rl.rollout.sglang.engine import start_replica_engine
 from megatron_rl.rollout.sglang.server import SGLangServer, SGLangServerError, launch_command, write_model_dir
 from megatron_rl.rollout.types import SamplingParams

@@ -12,7 +12,7 @@ import pytest
 from megatron_rl.config.arguments import parse_args
 from megatron_rl.config.setup import build_run_setup, layouts
 from megatron_rl.data.tokenizer import build_char_tokenizer
-from megatron_rl.rollout.backends import build_sglang_engine
+from megatron_rl.rollout.sglang import build_engine as build_sglang_engine
 from megatron_rl.rollout.sglang import engine as sglang_engine
 from megatron_rl.rollout.sglang.server import CPU_FLAGS, launch_command, server_gpu_flags
 from megatron_rl.runtime.roles import Roles

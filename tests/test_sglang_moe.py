@@ -24,7 +24,7 @@ from helpers import random_hf_weights
 from megatron_rl.config.arguments import parse_args
 from megatron_rl.config.setup import build_run_setup
 from megatron_rl.data.tokenizer import build_char_tokenizer
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.models.spec import ModelSpec, get_model_spec
 from megatron_rl.rollout.sglang.engine import (
     RolloutContractError,
@@ -43,12 +43,13 @@ MIXTRAL = get_model_spec("tiny-mixtral")  # 4 experts of size 32, top-2, experts
 # ---- stacking experts for /update_weights_from_tensor ---------------------------------------------------------------
 
 def _runtime(spec, tp, rank, ep, hf):
-    return {n: L.assemble(s, L.slicer(hf)) for n, s in L.sglang_shards(spec, tp, rank, ep).items()}
+    shards = weight_map.sglang_shards(spec, tp, rank, ep)
+    return {n: weight_map.assemble(s, weight_map.slicer(hf)) for n, s in shards.items()}
 
 
 def _sglang_expert_params(spec, tp, rank, ep, hf, layer):
     """(w13, w2) of one layer on SGLang TP rank `rank`, loaded from the HF tensors as FusedMoE.weight_loader does."""
-    module, _, gate, up, down = L.ARCHITECTURES[spec.arch]["moe_names"]
+    module, _, gate, up, down = weight_map.ARCHITECTURES[spec.arch]["moe_names"]
     moe_tp = tp // ep
     ep_rank, moe_tp_rank = rank // moe_tp, rank % moe_tp
     local = spec.num_experts // ep
@@ -242,7 +243,7 @@ def test_a_sliding_window_is_refused_at_setup_and_at_the_server(tmp_path):
 def test_build_sglang_engine_launches_with_the_runs_ep_size_and_asks_for_routes(tmp_path, monkeypatch):
     import importlib.util
 
-    from megatron_rl.rollout.backends import build_sglang_engine
+    from megatron_rl.rollout.sglang import build_engine as build_sglang_engine
     from megatron_rl.rollout.sglang import engine as sglang_engine
     from megatron_rl.runtime.roles import Roles
 

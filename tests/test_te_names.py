@@ -37,10 +37,11 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from packaging.version import Version
 
 from megatron_rl.ddma.plan import make_plan
-from megatron_rl.models.layout import GeneratorLayout, TrainerLayout, megatron_shards
+from megatron_rl.models.megatron_config import transformer_config
+from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import get_model_spec
+from megatron_rl.models.weight_map import megatron_shards
 from megatron_rl.runtime.spawn import run_on_ranks
-from megatron_rl.trainer.model import transformer_config
 
 IMPLS = ("local", "transformer_engine")
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.runtime.spawn import run_on_ranks
 from megatron_rl.trainer import parallel
@@ -49,7 +49,8 @@ def _setup(tp, pp, lr=1e-3, seed_weights=0):
     policy = build_policy(SPEC, layout, lr=lr, clip_grad=1.0, adam_eps=1e-4,
                           init_weights=lambda m: load_hf_weights(m, SPEC, layout,
                                                                  random_hf_weights(SPEC, seed=seed_weights)))
-    return PolicyTrainer(policy, AlgorithmConfig(loss="aipo", rho=2.0, temperature=TEMPERATURE), micro_batch_size=1)
+    algo = AlgorithmConfig(loss="aipo", loss_params={"rho": 2.0}, temperature=TEMPERATURE)
+    return PolicyTrainer(policy, algo, micro_batch_size=1)
 
 
 def _params(trainer):
@@ -273,7 +274,7 @@ def _menu_rank():
 
     trainer, batch, out = _setup(1, 1, lr=1e-5), _batch(), {}  # a small lr: every loss sees about the same ratios
     for name, params in MENU.items():
-        trainer.algo = AlgorithmConfig(loss=name, temperature=TEMPERATURE, **params)
+        trainer.algo = AlgorithmConfig(loss=name, loss_params=params, temperature=TEMPERATURE)
         before = trainer.compute_logprobs(batch)  # the policy the step starts from
         out[name] = (before, trainer.train_step(batch))
     parallel.destroy()

@@ -8,7 +8,7 @@ slice of the trainer's updated weights that the layout mapping assigns to it (fp
 import pytest
 import torch
 
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.runtime.spawn import run_on_ranks
 
 FLAGS = ["--num-layers", "5", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
@@ -24,14 +24,14 @@ def _rank():
     from megatron_rl.config.setup import build_run_setup
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
-    from megatron_rl.rollout.backends import ENGINE_BACKENDS
+    from megatron_rl.rollout import ENGINE_BACKENDS
     from megatron_rl.runtime.roles import init_roles
     from megatron_rl.trainer.batch import TrainBatch
 
     setup = build_run_setup(parse_args(FLAGS), WORLD)
     roles = init_roles(setup.trainer.world_size, 1, 1)
     if not roles.is_trainer:
-        engine = ENGINE_BACKENDS["local"](setup, roles)
+        engine = ENGINE_BACKENDS["local"].build(setup, roles)
         publish(setup.plan(), roles.rank, 1, engine=engine, transport=TorchDistTransport(roles.sync_group))
         out = {"runtime": dict(engine.decoder.params), "version": engine.weight_version}
     else:
@@ -81,7 +81,7 @@ def test_uneven_pipeline_stages_train_and_the_generator_gets_the_weights_bit_for
     hf = merge_to_hf(spec, layout, {(t["tp_rank"], t["pp_rank"]): t["params"] for t in trainers})
     assert generator["version"] == 1
     runtime = generator["runtime"]
-    expected = L.sglang_shards(spec, 1, 0)
+    expected = weight_map.sglang_shards(spec, 1, 0)
     assert runtime.keys() == expected.keys()
     for name, shard in expected.items():
-        assert torch.equal(runtime[name], L.assemble(shard, L.slicer(hf))), name
+        assert torch.equal(runtime[name], weight_map.assemble(shard, weight_map.slicer(hf))), name

@@ -16,7 +16,7 @@ SPEC = get_model_spec("tiny-llama").replace(name="gpu-step", hidden_size=128, ff
 
 def _step(device: str, bf16: bool):
     from megatron_rl.algorithms import AlgorithmConfig
-    from megatron_rl.models.layout import TrainerLayout
+    from megatron_rl.models.parallelism import TrainerLayout
     from megatron_rl.trainer import parallel
     from megatron_rl.trainer.batch import TrainBatch
     from megatron_rl.trainer.policy import build_policy

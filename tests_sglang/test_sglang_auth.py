@@ -12,7 +12,7 @@ import pytest
 import requests
 from conftest import SPEC
 
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.rollout.local.engine import LocalEngine
 from megatron_rl.rollout.sglang.engine import start_replica_engine
@@ -37,8 +37,8 @@ def test_a_server_launched_with_the_key_serves_the_run_and_refuses_clients_witho
         engine.pause("retract")  # a weight update: pause, begin, update_weights_from_tensor, end, continue
         engine.begin_weight_update()
         reader = HFCheckpoint(model_b)
-        engine.load_weights((name, L.assemble(shard, reader.get_slice))
-                            for name, shard in L.sglang_shards(SPEC, 1, 0).items())
+        engine.load_weights((name, weight_map.assemble(shard, reader.get_slice))
+                            for name, shard in weight_map.sglang_shards(SPEC, 1, 0).items())
         engine.end_weight_update(version=1)
         engine.continue_generation()
         outs = engine.generate(PROMPTS, GREEDY)

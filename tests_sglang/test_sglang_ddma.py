@@ -24,8 +24,8 @@ def _trainer_tp2_to_sglang_tp2(model_dir, log_dir):
     from megatron_rl.ddma.plan import make_plan
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
-    from megatron_rl.models import layout as L
-    from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
+    from megatron_rl.models import weight_map
+    from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
     from megatron_rl.models.safetensors_io import HFCheckpoint
     from megatron_rl.rollout.sglang.engine import RolloutContractError, start_replica_engine
 
@@ -36,8 +36,8 @@ def _trainer_tp2_to_sglang_tp2(model_dir, log_dir):
     result = {}
     if rank < 2:
         reader = HFCheckpoint(model_dir)
-        tensors = {n: L.assemble(s, reader.get_slice)
-                   for n, s in L.megatron_shards(SPEC, trainer, rank, 0).items()}
+        tensors = {n: weight_map.assemble(s, reader.get_slice)
+                   for n, s in weight_map.megatron_shards(SPEC, trainer, rank, 0).items()}
         dist.barrier()  # the generators' server is up
         stats = publish(plan, rank, version=1, trainer_tensors=tensors, transport=TorchDistTransport())
     else:

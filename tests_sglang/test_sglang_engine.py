@@ -14,7 +14,7 @@ import requests
 import torch
 from conftest import SPEC
 
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.rollout.local.engine import LocalEngine
 from megatron_rl.rollout.sglang.engine import (
@@ -79,7 +79,8 @@ def test_stop_token_ends_the_request_with_finish_reason_stop(engine, model_a):
 
 def _runtime_shards(path, tp=1, rank=0):
     reader = HFCheckpoint(path)
-    return [(name, L.assemble(shard, reader.get_slice)) for name, shard in L.sglang_shards(SPEC, tp, rank).items()]
+    shards = weight_map.sglang_shards(SPEC, tp, rank)
+    return [(name, weight_map.assemble(shard, reader.get_slice)) for name, shard in shards.items()]
 
 
 def _swap_weights(engine, path, mode, version):

@@ -13,7 +13,7 @@ their decoding is unit-tested in tests/test_sglang_moe.py.
 import pytest
 import torch
 
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.models.hf import save_random_hf_model
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.models.spec import get_model_spec
@@ -63,8 +63,8 @@ def _serve_b_after_a(spec, tp, ep, model_a, model_b, log):
         reader = HFCheckpoint(model_b)
         engine.pause("retract")
         engine.begin_weight_update()
-        shards = L.sglang_shards(spec, tp, rank, ep)
-        engine.load_weights((n, L.assemble(s, reader.get_slice)) for n, s in shards.items())
+        shards = weight_map.sglang_shards(spec, tp, rank, ep)
+        engine.load_weights((n, weight_map.assemble(s, reader.get_slice)) for n, s in shards.items())
         engine.end_weight_update(version=1)
         engine.continue_generation()
         return engine.generate(PROMPTS, GREEDY) if rank == 0 else None

@@ -14,7 +14,7 @@ import resource
 import sys
 import time
 
-from megatron_rl.models.layout import TRANSFORMER_IMPLS
+from megatron_rl.models.parallelism import TRANSFORMER_IMPLS
 
 # The layout's errors name the trainer's flags; this tool's are these.
 TARGET_FLAGS = {"--tensor-model-parallel-size": "--target-tensor-parallel-size",
@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
-    from megatron_rl.checkpoint.megatron_format import hf_to_megatron
-    from megatron_rl.models.layout import TrainerLayout
+    from megatron_rl.checkpoint.hf_conversion import hf_to_megatron
+    from megatron_rl.models.parallelism import TrainerLayout
 
     start = time.time()
     try:

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
-    from megatron_rl.checkpoint.megatron_format import megatron_to_hf
+    from megatron_rl.checkpoint.hf_conversion import megatron_to_hf
     from megatron_rl.checkpoint.rl_checkpoint import weights_directory
 
     start = time.time()

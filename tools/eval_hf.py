@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from megatron_rl.data.prompts import encode_prompt, stop_token_ids
     from megatron_rl.data.records import RecordFields
     from megatron_rl.rewards import build_reward_fn
-    from megatron_rl.rewards.sample import RewardSample
+    from megatron_rl.rewards.types import RewardSample
 
     tokenizer = AutoTokenizer.from_pretrained(args.hf_dir)
     model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).eval()

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     import dataclasses
 
     from megatron_rl.ddma.plan import full_experts_baseline, gather_broadcast_baseline, make_plan, summarize
-    from megatron_rl.models.layout import GeneratorLayout, TrainerLayout, balanced_edge_stages
+    from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout, balanced_edge_stages
     from megatron_rl.models.spec import ModelSpec, get_model_spec
 
     try:

@@ -31,8 +31,8 @@ def _rank_main(quick: bool, repeats: int):
     from megatron_rl.ddma.plan import make_plan
     from megatron_rl.ddma.sync import publish
     from megatron_rl.ddma.transport import TorchDistTransport
-    from megatron_rl.models import layout as L
-    from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
+    from megatron_rl.models import weight_map
+    from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
     from megatron_rl.rollout.local.decoder import TPDecoder
     from megatron_rl.rollout.local.engine import LocalEngine
     from megatron_rl.trainer.weights import merge_to_hf
@@ -46,12 +46,12 @@ def _rank_main(quick: bool, repeats: int):
     g = torch.Generator().manual_seed(rank)
     tensors = {}
     if rank < half:  # random bf16 shards (content does not matter for timing; shapes do)
-        for name, shard in L.megatron_shards(spec, trainer, rank, 0).items():
+        for name, shard in weight_map.megatron_shards(spec, trainer, rank, 0).items():
             tensors[name] = torch.randn(shard.shape, generator=g).to(torch.bfloat16)
     engine = LocalEngine(TPDecoder(spec, half, rank - half, None, dtype=torch.bfloat16, max_slots=2, max_seq_len=8)) \
         if rank >= half else None
     bcast_group = dist.new_group([0] + list(range(half, world)))
-    hf_shapes = L.hf_shapes(spec)
+    hf_shapes = weight_map.hf_shapes(spec)
 
     def ddma(version):
         transport = TorchDistTransport()
@@ -89,7 +89,8 @@ def _rank_main(quick: bool, repeats: int):
                     full[n] = buf
         if rank >= half:
             engine.begin_weight_update()
-            engine.load_weights((n, L.assemble(s, L.slicer(full))) for n, s in engine.decoder.layouts.items())
+            engine.load_weights((n, weight_map.assemble(s, weight_map.slicer(full)))
+                                for n, s in engine.decoder.layouts.items())
             engine.end_weight_update(version)
         return sent, received
 

@@ -18,12 +18,12 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 
 
 def _shapes() -> list[tuple[int, int]]:
-    """(out_features, in_features) of one layer's linear weights on a generator TP rank (models.layout)."""
-    from megatron_rl.models import layout as L
+    """(out_features, in_features) of one layer's linear weights on a generator TP rank (models.weight_map)."""
+    from megatron_rl.models import weight_map
     from megatron_rl.models.spec import get_model_spec
 
-    shards = L.sglang_shards(get_model_spec(MODEL), TP, 0)
-    return [tuple(shards[f"{L.hf_layer(0)}.{name}.weight"].shape) for name in LINEARS]
+    shards = weight_map.sglang_shards(get_model_spec(MODEL), TP, 0)
+    return [tuple(shards[f"{weight_map.hf_layer(0)}.{name}.weight"].shape) for name in LINEARS]
 
 
 def _time(fn, repeats: int) -> float:

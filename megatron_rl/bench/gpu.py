@@ -26,7 +26,7 @@ def _spec():
 
 def _trainer_rank(steps: int) -> dict:
     from megatron_rl.algorithms import AlgorithmConfig
-    from megatron_rl.models.layout import TrainerLayout
+    from megatron_rl.models.parallelism import TrainerLayout
     from megatron_rl.trainer import parallel
     from megatron_rl.trainer.batch import TrainBatch
     from megatron_rl.trainer.policy import build_policy

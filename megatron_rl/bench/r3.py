@@ -48,7 +48,7 @@ def _trainer_rank(hf_dir: str, batch, generator_routes):
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from megatron_rl.algorithms import AlgorithmConfig
-    from megatron_rl.models.layout import TrainerLayout
+    from megatron_rl.models.parallelism import TrainerLayout
     from megatron_rl.models.safetensors_io import HFCheckpoint
     from megatron_rl.trainer import parallel, routing_replay
     from megatron_rl.trainer.policy import build_policy

@@ -18,7 +18,7 @@ def _spec(quick: bool):
 
 def _rank(tp: int, quick: bool, steps: int):
     from megatron_rl.algorithms import AlgorithmConfig
-    from megatron_rl.models.layout import TrainerLayout
+    from megatron_rl.models.parallelism import TrainerLayout
     from megatron_rl.trainer import parallel
     from megatron_rl.trainer.batch import TrainBatch
     from megatron_rl.trainer.policy import build_policy

@@ -1,8 +1,8 @@
-"""HF <-> Megatron checkpoint conversion, streamed tensor by tensor through `models.layout`; the engine of
-tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py.
+"""Megatron checkpoints of weights on disk: what a directory written by the HF converter (or one iteration of an
+RL checkpoint) holds, and reading any HF tensor slice out of it.
 
-A Megatron checkpoint directory written here holds `megatron_rl.json` (the HF config, the trainer layout and
-the format) and the weights in one of these formats:
+Such a directory holds `megatron_rl.json` (the HF config, the trainer layout the weights are sharded in, the dtype
+and the format) and the weights in one of these formats:
 
 - `safetensors` (default): one file per model-parallel rank, `mp_rank_{TP:02d}_{PP:03d}.safetensors`, with
   Megatron's parameter names (local or Transformer-Engine, as the layout says) and fused layouts. Written and
@@ -15,28 +15,25 @@ the format) and the weights in one of these formats:
 - `rl`: an iteration of an RL run's checkpoint (`iter_NNNNNNN/`): the trainer's distributed checkpoint in the
   directory itself, the model under key "model" beside the optimizer and scheduler (only the model is read).
 
-`MegatronCheckpoint` serves any HF tensor slice out of the per-rank files (the segments of the layout say
-where each HF row lives), so exporting to HF and loading at another TP/PP/EP are the same operation.
-A trainer starts from any of them at any TP/PP/EP (`load_megatron_weights`): per-rank files are read as HF slices,
-a distributed checkpoint is resharded by Megatron-Core.
-Directories are written under a temporary name and renamed when complete: an interrupted conversion never
-leaves a directory that looks valid.
+`MegatronCheckpoint` serves any HF tensor slice out of the per-rank files (the segments of `models.weight_map`
+say where each HF row lives), so exporting to HF (`checkpoint.hf_conversion`) and loading at another TP/PP/EP
+(`trainer.weights.load_megatron_weights`) are the same operation. A distributed checkpoint is first written out
+as per-rank files by the saved layout's ranks, each building its shard of the model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 
 import torch
 
-from megatron_rl.models import layout as L
-from megatron_rl.models.safetensors_io import HFCheckpoint, SafetensorsFile, auxiliary_files, write_streaming
+from megatron_rl.models import weight_map
+from megatron_rl.models.parallelism import TrainerLayout
+from megatron_rl.models.safetensors_io import SafetensorsFile, auxiliary_files, write_streaming
 from megatron_rl.models.spec import ModelSpec
 
 META_FILE = "megatron_rl.json"
@@ -54,7 +51,7 @@ def rank_file(tp_rank: int, pp_rank: int, dp_rank: int | None = None) -> str:
     return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}{suffix}.safetensors"
 
 
-def rank_files(layout: L.TrainerLayout) -> list[tuple[int, int, int, str]]:
+def rank_files(layout: TrainerLayout) -> list[tuple[int, int, int, str]]:
     """(tp, pp, dp, file name) of every rank file that holds `layout`'s weights: one per TP x PP rank, times the DP
     ranks its experts span."""
     span = layout.expert_replica_span
@@ -62,92 +59,14 @@ def rank_files(layout: L.TrainerLayout) -> list[tuple[int, int, int, str]]:
             for t in range(layout.tensor_parallel_size) for d in range(span)]
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
-
-
-@contextlib.contextmanager
-def atomic_directory(path: str, overwrite: bool = False) -> Iterator[str]:
-    """Yield a temporary sibling directory that becomes `path` only if the block completes."""
-    path = os.path.abspath(path)
-    if os.path.exists(path) and not overwrite:
-        raise FileExistsError(f"--save {path!r} already exists (pass --overwrite to replace it)")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".partial-", dir=parent)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.exists(path):
-        old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
-        os.replace(path, os.path.join(old, "x"))
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-
-
-def validate_hf_checkpoint(spec: ModelSpec, ckpt: HFCheckpoint) -> torch.dtype:
-    """Every tensor the spec needs is present with the right shape, and there is nothing unexplained.
-    Returns the checkpoint's dtype."""
-    expected = L.hf_shapes(spec)
-    present = set(ckpt.keys())
-    if spec.tie_word_embeddings:
-        present.discard("lm_head.weight")  # some tied checkpoints still store the alias
-    missing = sorted(set(expected) - present)
-    if missing:
-        raise ValueError(f"HF checkpoint {ckpt.directory!r} is missing tensor {missing[0]!r}"
-                         f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
-    unexpected = sorted(n for n in present - set(expected) if not n.endswith("rotary_emb.inv_freq"))
-    if unexpected:
-        raise ValueError(f"HF checkpoint {ckpt.directory!r} has tensor {unexpected[0]!r} that model "
-                         f"{spec.name!r} does not use")
-    for name, shape in expected.items():
-        if ckpt.shape(name) != shape:
-            raise ValueError(f"HF tensor {name!r} has shape {ckpt.shape(name)}, config.json implies {shape}")
-    dtypes = {ckpt.dtype(n) for n in expected}
-    if len(dtypes) != 1:
-        raise ValueError(f"HF checkpoint mixes dtypes {sorted(map(str, dtypes))}")
-    return dtypes.pop()
-
-
-# ---- HF -> Megatron ---------------------------------------------------------------------------------------------
+# ---- the description beside the weights ---------------------------------------------------------------------
 
 LAYOUT_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", "make_vocab_size_divisible_by", "transformer_impl",
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "expert_model_parallel_size",
                  "expert_tensor_parallel_size")
 
 
-def hf_to_megatron(hf_dir: str, save: str, layout: L.TrainerLayout = L.TrainerLayout(),
-                   megatron_format: str = "safetensors", overwrite: bool = False, progress: bool = True) -> dict:
-    """Write `hf_dir` as a Megatron checkpoint of `layout` (its data-parallel size is replaced by the DP ranks its
-    experts span)."""
-    if megatron_format not in FORMATS:
-        raise ValueError(f"--megatron-format {megatron_format!r}: choose one of {FORMATS}")
-    ckpt = HFCheckpoint(hf_dir)
-    spec = ModelSpec.from_hf_config(ckpt.config, name=os.path.basename(os.path.normpath(hf_dir)))
-    layout = weights_layout(layout)
-    layout.validate(spec)
-    dtype = validate_hf_checkpoint(spec, ckpt)
-    with atomic_directory(save, overwrite) as out:
-        if megatron_format == "safetensors":
-            _write_rank_files(spec, layout, ckpt.get_slice, dtype, out, progress)
-        else:
-            from megatron_rl.runtime.spawn import run_on_ranks
-
-            run_on_ranks(_save_torch_dist_rank, layout.world_size, spec, layout,
-                         hf_dir, os.path.join(out, "torch_dist"), dtype, timeout_s=3600)
-        copied = list(auxiliary_files(hf_dir))
-        for name in copied:
-            shutil.copy2(os.path.join(hf_dir, name), os.path.join(out, name))
-        return write_meta(out, megatron_format, ckpt.config, dtype, layout, copied)
-
-
-def write_meta(directory: str, weights_format: str, hf_config: dict, dtype: torch.dtype, layout: L.TrainerLayout,
+def write_meta(directory: str, weights_format: str, hf_config: dict, dtype: torch.dtype, layout: TrainerLayout,
                auxiliary: list[str]) -> dict:
     """Write `megatron_rl.json`, which makes `directory` readable by `MegatronCheckpoint`: the weights' format,
     the HF config of the model, their dtype, the trainer layout they are sharded in, and the files beside them
@@ -180,41 +99,15 @@ def read_meta(directory: str, flag: str = "--load") -> dict:
     return meta
 
 
-def weights_layout(layout: L.TrainerLayout) -> L.TrainerLayout:
+def weights_layout(layout: TrainerLayout) -> TrainerLayout:
     """`layout` with as many DP ranks as it takes to hold every weight once: 1, or the DP ranks its experts span."""
     return dataclasses.replace(layout, data_parallel_size=layout.expert_replica_span)
 
 
-def meta_layout(meta: dict) -> L.TrainerLayout:
+def meta_layout(meta: dict) -> TrainerLayout:
     """The trainer layout a checkpoint's weights are sharded in (DP: the ranks its experts span, see
     `weights_layout`)."""
-    return weights_layout(L.TrainerLayout(**{f: meta[f] for f in LAYOUT_FIELDS if f in meta}))
-
-
-def _write_rank_files(spec, layout, get_slice, dtype, out, progress):
-    shards = {fname: L.megatron_shards(spec, layout, t, p, d) for t, p, d, fname in rank_files(layout)}
-    bar = _progress(sum(len(s) for s in shards.values()), "HF -> Megatron", progress)
-    for fname, params in shards.items():
-        entries = [(name, s.shape, dtype) for name, s in params.items()]
-        write_streaming(os.path.join(out, fname), entries,
-                        lambda name, params=params: L.assemble(params[name], get_slice, dtype=dtype),
-                        on_tensor=lambda _: bar.update())
-    bar.close()
-
-
-def _save_torch_dist_rank(spec, layout, hf_dir, directory, dtype):
-    from megatron.core import dist_checkpointing
-
-    from megatron_rl.trainer import parallel
-    from megatron_rl.trainer.model import build_gpt_model, transformer_config
-    from megatron_rl.trainer.weights import load_hf_weights
-
-    parallel.initialize(layout, spec)
-    model = build_gpt_model(spec, layout, transformer_config(spec, layout, params_dtype=dtype))
-    load_hf_weights(model, spec, layout, HFCheckpoint(hf_dir).get_slice)
-    os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), directory)
-    parallel.destroy()
+    return weights_layout(TrainerLayout(**{f: meta[f] for f in LAYOUT_FIELDS if f in meta}))
 
 
 # ---- reading Megatron checkpoints --------------------------------------------------------------------------------
@@ -268,8 +161,8 @@ class MegatronCheckpoint:
             path = os.path.join(self._shards_dir, fname)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"checkpoint file {path!r} is missing")
-            shards = L.megatron_shards(self.spec, self.layout, t, p, d)
-            replicas = L.megatron_shards(self.spec, self.layout, t, p, 0) if d else {}
+            shards = weight_map.megatron_shards(self.spec, self.layout, t, p, d)
+            replicas = weight_map.megatron_shards(self.spec, self.layout, t, p, 0) if d else {}
             f = SafetensorsFile(path)
             for name, shard in shards.items():
                 if name not in f.entries:
@@ -293,11 +186,11 @@ class MegatronCheckpoint:
         pieces = self._index.get(hf_name)
         if not pieces:
             raise KeyError(f"checkpoint {self.directory!r} holds no piece of {hf_name!r}")
-        shape = L.hf_shapes(self.spec)[hf_name]
+        shape = weight_map.hf_shapes(self.spec)[hf_name]
         dim = pieces[0][4] if len(shape) > 1 else 0
-        return self.get_slice(L.Segment(hf_name, 0, shape[dim]), dim)
+        return self.get_slice(weight_map.Segment(hf_name, 0, shape[dim]), dim)
 
-    def get_slice(self, seg: L.Segment, dim: int) -> torch.Tensor:
+    def get_slice(self, seg: weight_map.Segment, dim: int) -> torch.Tensor:
         """HF tensor `seg.hf_name`, rows [start, stop) along `dim`, read from whichever ranks hold them."""
         parts, cursor = [], seg.start
         for start, stop, file, name, sdim, offset in self._index.get(seg.hf_name, []):
@@ -319,8 +212,9 @@ class MegatronCheckpoint:
 
 
 def _load_torch_dist_rank(spec, layout, directory, key, out_dir, dtype):
+    from megatron_rl.models.megatron_config import transformer_config
     from megatron_rl.trainer import parallel
-    from megatron_rl.trainer.model import build_gpt_model, transformer_config
+    from megatron_rl.trainer.model import build_gpt_model
 
     parallel.initialize(layout, spec)
     model = build_gpt_model(spec, layout, transformer_config(spec, layout, params_dtype=dtype))
@@ -340,7 +234,7 @@ def load_dist_model(model: torch.nn.Module, directory: str, key: str | None = No
     model.load_state_dict(state[key] if key else state, strict=False)
 
 
-def write_rank_file(model: torch.nn.Module, out_dir: str, layout: L.TrainerLayout) -> str | None:
+def write_rank_file(model: torch.nn.Module, out_dir: str, layout: TrainerLayout) -> str | None:
     """This rank's parameters as its file of the `safetensors` format in `out_dir` (`rank_file` of its TP and PP
     rank, and of its DP rank when the layout's experts span several), one tensor at a time (a GPU tensor is copied to
     the host alone). Returns the path; None on a DP rank that holds only replicas of other ranks' files."""
@@ -355,67 +249,3 @@ def write_rank_file(model: torch.nn.Module, out_dir: str, layout: L.TrainerLayou
     write_streaming(path, [(n, tuple(p.shape), p.dtype) for n, p in params.items()],
                     lambda n: params[n].detach().cpu())
     return path
-
-
-def load_megatron_weights(model: torch.nn.Module, spec: ModelSpec, layout: L.TrainerLayout, directory: str) -> None:
-    """Collective over the trainer's ranks: this rank's shard of `model` (any TP/PP/EP) from a Megatron checkpoint of
-    this module. Per-rank safetensors files are read as HF slices (`MegatronCheckpoint.get_slice`); a distributed
-    checkpoint is resharded by Megatron-Core itself (its keys follow the layer spec, which the run setup checks)."""
-    from megatron_rl.trainer.weights import load_hf_weights
-
-    meta = read_meta(directory)
-    if meta["format"] in DIST_CHECKPOINTS:
-        subdir, key = DIST_CHECKPOINTS[meta["format"]]
-        load_dist_model(model, os.path.join(directory, subdir), key)
-        return
-    load_hf_weights(model, spec, layout, MegatronCheckpoint(directory).get_slice)
-
-
-# ---- Megatron -> HF ---------------------------------------------------------------------------------------------
-
-def megatron_to_hf(load: str, save: str, max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-                   progress: bool = True) -> dict:
-    ckpt = MegatronCheckpoint(load)
-    try:
-        spec, dtype = ckpt.spec, ckpt.dtype
-        shapes = L.hf_shapes(spec)
-        files = _plan_hf_files(shapes, dtype, max_shard_bytes)
-        bar = _progress(len(shapes), "Megatron -> HF", progress)
-        with atomic_directory(save, overwrite) as out:
-            weight_map = {}
-            for fname, names in files:
-                entries = [(n, shapes[n], dtype) for n in names]
-                write_streaming(os.path.join(out, fname), entries,
-                                lambda n: ckpt.read_full(n).to(dtype),
-                                metadata={"format": "pt"}, on_tensor=lambda _: bar.update())
-                weight_map.update({n: fname for n in names})
-            if len(files) > 1:
-                itemsize = torch.empty((), dtype=dtype).element_size()
-                total = sum(torch.Size(s).numel() for s in shapes.values()) * itemsize
-                with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-                    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-            with open(os.path.join(out, "config.json"), "w") as f:
-                json.dump(ckpt.meta["hf_config"], f, indent=2)
-            for name in ckpt.auxiliary_files():
-                shutil.copy2(os.path.join(load, name), os.path.join(out, name))
-        bar.close()
-        return {"tensors": len(shapes), "files": len(files)}
-    finally:
-        ckpt.close()
-
-
-def _plan_hf_files(shapes, dtype, max_shard_bytes):
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    groups, current, size = [], [], 0
-    for name, shape in shapes.items():
-        nbytes = torch.Size(shape).numel() * itemsize
-        if current and size + nbytes > max_shard_bytes:
-            groups.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    groups.append(current)
-    if len(groups) == 1:
-        return [("model.safetensors", groups[0])]
-    n = len(groups)
-    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]

@@ -25,6 +25,7 @@ import torch
 from megatron_rl.checkpoint import safe_load
 from megatron_rl.checkpoint.checksums import CHECKSUMS_FILE, verify_checksums, write_checksums
 from megatron_rl.checkpoint.megatron_format import DIST_CHECKPOINTS, META_FILE, MegatronCheckpoint, read_meta
+from megatron_rl.models.safetensors_io import HFCheckpoint, validate_hf_checkpoint
 from megatron_rl.models.spec import ModelSpec
 from megatron_rl.runtime import failpoints
 
@@ -32,6 +33,7 @@ TRACKER_FILE, RL_STATE_FILE = "latest_checkpointed_iteration.txt", "rl_state.jso
 # 2: the controller's whole state in rl_state.json, rollouts as {output, meta, reward}, the trainer's layer spec.
 # 3: RNG files of tensors and plain values (weights-only loadable, no numpy objects); checksums.json.
 RL_STATE_FORMAT = 3
+HAS_REFERENCE = "has_reference"  # the trainer's common state: whether the reference model was saved beside it
 PARTIAL, DELETING = ".partial", ".deleting"  # suffixes of an iteration being written, and being deleted
 
 
@@ -233,10 +235,16 @@ def check_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str, nee
                          "does not move between expert layouts: resume with the saved EP, or start a new run from "
                          "its weights (--load-megatron, any EP)")
     if needs_reference:
-        from megatron_rl.trainer.checkpoint import check_has_reference
-
         check_has_reference(path)
     return step
+
+
+def check_has_reference(directory: str) -> None:
+    """A run whose reference is the policy RL started from can resume only from a checkpoint that saved it."""
+    if not safe_load.load_common(directory).get(HAS_REFERENCE):
+        raise ValueError(f"--load: checkpoint {directory!r} holds no reference model (it was saved without "
+                         "--kl-coef), and the default reference, the policy as RL began, cannot be restored: pass "
+                         "--ref-load, or resume with --kl-coef 0")
 
 
 def check_controlled_lag(directory: str, state: dict, controlled_lag: int | None) -> None:
@@ -281,6 +289,28 @@ def check_initial_weights(directory: str, spec: ModelSpec, transformer_impl: str
         except (FileNotFoundError, KeyError) as e:
             raise ValueError(f"{flag} {directory!r}: {e}") from None
     return path
+
+
+def check_reference_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str) -> None:
+    """Everything about --ref-load that can be checked before any weight exists: the directory holds an HF
+    checkpoint (config.json and every tensor of the model, right shapes) or Megatron weights that --load-megatron
+    would accept (converter output of either format, an RL checkpoint or one of its iterations), of the same
+    architecture as the policy. Errors name the flag."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"--ref-load {directory!r}: no such directory")
+    if not is_hf_directory(directory):
+        check_initial_weights(directory, spec, transformer_impl, flag="--ref-load")
+        return
+    try:
+        ckpt = HFCheckpoint(directory)
+        ref_spec = ModelSpec.from_hf_config(ckpt.config)
+        validate_hf_checkpoint(ref_spec, ckpt)
+    except (OSError, KeyError, json.JSONDecodeError, ValueError) as e:
+        raise ValueError(f"--ref-load {directory!r}: {e}") from None
+    for field, value in spec.weight_fields().items():
+        if getattr(ref_spec, field) != value:
+            raise ValueError(f"--ref-load {directory!r}: the reference model has {field} {getattr(ref_spec, field)}, "
+                             f"the policy's is {value} (model {spec.name!r})")
 
 
 def write_durably(path: str, text: str) -> None:

@@ -1,10 +1,10 @@
 """Megatron-style command line: Megatron-LM's flag names and meanings where a Megatron flag exists, grouped
-like Megatron's, plus the RL groups (rollout, algorithm, reward, data, DDMA). Every SGLang server flag passes
-through as --sglang-<flag> (collected into `args.sglang`; the run setup checks them: rollout/sglang_flags.py),
-except --sglang-api-key, a run flag: the key is both given to the servers a run launches and sent by the client.
-The choices of --loss, --advantage-estimator, --loss-aggregation and --rollout-backend are the names in their
-registries (--reward-fn: a registered name, checked by the run setup, like --custom-rm-path). Validation at
-start names flags and values."""
+like Megatron's, plus the RL groups (rollout, algorithm, reward, data, DDMA). The plug-ins bring their own flags:
+each loss its hyperparameters (`algorithms.losses`), each generator backend its group (`rollout.ENGINE_BACKENDS`;
+SGLang's passes every server flag through as --sglang-<flag>, `rollout.sglang.arguments`). The choices of --loss,
+--advantage-estimator, --loss-aggregation and --rollout-backend are the names in their registries (--reward-fn: a
+registered name, checked by the run setup, like --custom-rm-path). `config.validation` checks the flags together
+at start, naming flags and values."""
 
 from __future__ import annotations
 
@@ -12,50 +12,13 @@ import argparse
 import json
 import os
 import pathlib
-import re
 
-from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, AlgorithmConfig
-from megatron_rl.models.layout import MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
+from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS
+from megatron_rl.algorithms.losses import add_loss_arguments
+from megatron_rl.config.validation import validate
+from megatron_rl.models.parallelism import MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
-from megatron_rl.rewards.shaping import OverlongPenalty
-from megatron_rl.rollout.backends import ENGINE_BACKENDS
-from megatron_rl.rollout.sglang.server import API_KEY_ENV, REDACTED
-
-
-class Secret:
-    """A credential (--sglang-api-key): `value` holds it; repr and str show "<redacted>". It is not a str, so the run's
-    logged config (`logging.run_config`, scalars only) leaves it out, and printing `args` does not show it."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: str):
-        self.value = value
-
-    def __repr__(self) -> str:
-        return REDACTED
-
-    __str__ = __repr__
-
-
-def api_key(text: str) -> Secret:
-    """argparse type of --sglang-api-key. The key goes into an `Authorization: Bearer <key>` header, so it must be
-    printable ASCII without spaces. Errors never repeat the value (argparse would for a ValueError)."""
-    if not text or not text.isascii() or not text.isprintable() or any(c.isspace() for c in text):
-        raise argparse.ArgumentTypeError("the key must be non-empty printable ASCII without spaces (it is sent as "
-                                         "an HTTP bearer token)")
-    return Secret(text)
-
-
-def redact_argv(argv: list[str]) -> list[str]:
-    """A command line as it may be logged: the value of --sglang-api-key (`--sglang-api-key KEY` or
-    `--sglang-api-key=KEY`) replaced by "<redacted>"."""
-    out = list(argv)
-    for i, word in enumerate(out):
-        if word == "--sglang-api-key" and i + 1 < len(out):
-            out[i + 1] = REDACTED
-        elif word.startswith("--sglang-api-key="):
-            out[i] = "--sglang-api-key=" + REDACTED
-    return out
+from megatron_rl.rollout import ENGINE_BACKENDS, collect_server_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,25 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-backend", choices=sorted(ENGINE_BACKENDS), default="local",
                    help="local: the built-in engine; sglang: one SGLang server per replica (launched by the "
                         "replica's first generator rank, flags passed through as --sglang-<flag>)")
-    g.add_argument("--rollout-server-urls", nargs="+", metavar="URL",
-                   help="with --rollout-backend sglang: attach to these running servers (one per replica, "
-                        "started with --skip-tokenizer-init and the run's model) instead of launching them")
-    g.add_argument("--sglang-api-key", type=api_key, metavar="KEY",
-                   help=f"with --rollout-backend sglang: the servers' API key (default: env {API_KEY_ENV}, which keeps "
-                        "it off the command line). Launched servers get it as SGLang's --api-key; every request "
-                        "(generation, pauses, weight updates) sends it as 'Authorization: Bearer KEY'; an attached "
-                        "server that refuses it stops the run at start. megatron-rl never logs it")
-    g.add_argument("--rollout-server-timeout", type=float, default=600.0,
-                   help="seconds an SGLang server may take to start and answer /health")
     g.add_argument("--generator-timeout", type=float, default=900.0,
                    help="stop the run when no generator sends a rollout for this many seconds while prompts are "
                         "in flight (a hung or dead generator rank), instead of waiting for the process-group timeout")
-    g.add_argument("--rollout-server-stall-timeout", type=float, default=300.0,
-                   help="an SGLang server that finishes no request for this long and then fails /health is "
-                        "restarted")
-    g.add_argument("--rollout-server-max-restarts", type=int, default=3,
-                   help="restarts of a failed SGLang server (re-synced, unfinished requests re-run) before the "
-                        "run stops")
     g.add_argument("--rollout-tensor-parallel-size", type=int, default=1)
     g.add_argument("--rollout-num-replicas", type=int, default=1)
     g.add_argument("--rollout-expert-parallel-size", type=int, default=1,
@@ -249,41 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the next update (chunked partial rollouts against stragglers)")
 
     g = p.add_argument_group("algorithm")
-    g.add_argument("--loss", choices=POLICY_LOSSES, default="aipo",
-                   help="mu: the behavior policy, pi: the trained one, per token. aipo: the paper's one-sided clipped "
-                        "importance weight min(pi/mu, rho), held constant; aipo-clamp: clamp without the "
-                        "stop-gradient (zero gradient above rho); reinforce: no correction; ppo: two-sided clipped "
-                        "surrogate of pi/mu; tis: PPO surrogate times the truncated weight min(pi_prox/mu, "
-                        "--tis-clip) (slime's --use-tis); icepop: weight pi/mu, tokens outside [--is-mask-low, "
-                        "--is-mask-high] masked; gspo: sequence-level geometric-mean ratio, clipped; cispo: clipped "
-                        "weight clip(pi/mu, 1 - --cispo-eps-low, 1 + --cispo-eps-high) (MiniMax-M1); decoupled-ppo: "
-                        "AReaL's decoupled PPO. pi_prox, the policy at the start of the step, is the current "
-                        "policy (one optimizer step per batch)")
-    g.add_argument("--aipo-rho", type=float, default=4.0, help="one-sided importance weight clip (paper: 2-10)")
-    g.add_argument("--ppo-clip-eps", type=float, default=0.2,
-                   help="clip range of ppo, tis and decoupled-ppo: the ratio is clipped to [1 - eps, 1 + "
-                        "--ppo-clip-eps-high]; for gspo the sequence ratio's (GSPO's paper uses 3e-4 and 4e-4)")
-    g.add_argument("--ppo-clip-eps-high", type=float, default=None,
-                   help="upper clip range (DAPO's clip-higher); default --ppo-clip-eps")
-    g.add_argument("--ppo-dual-clip-c", type=float, default=None,
-                   help="dual clip of ppo, tis and decoupled-ppo: where A < 0 a token's loss is at most -C A "
-                        "(verl's clip_ratio_c, whose default is 3); C > 1; default off")
-    g.add_argument("--tis-clip", type=float, default=2.0,
-                   help="tis: the behavior importance weight pi_prox/mu is truncated at this value (slime's "
-                        "--tis-clip, same default)")
-    g.add_argument("--is-mask-low", type=float, default=0.5,
-                   help="icepop: tokens whose pi/mu is below this are masked (NeMo-RL's ProRLv2 configuration: 0.5)")
-    g.add_argument("--is-mask-high", type=float, default=5.0,
-                   help="icepop: tokens whose pi/mu is above this are masked (NeMo-RL's ProRLv2 configuration: 5.0)")
-    g.add_argument("--cispo-eps-low", type=float, default=None,
-                   help="cispo: the weight is clipped below at 1 - this; default none (MiniMax-M1 sets no lower "
-                        "bound)")
-    g.add_argument("--cispo-eps-high", type=float, default=3.0,
-                   help="cispo: the weight is clipped above at 1 + this (MiniMax-M1 tunes it per run; the default "
-                        "caps the weight at 4); without --cispo-eps-low, cispo equals aipo with rho = 1 + this")
-    g.add_argument("--behav-imp-weight-cap", type=float, default=None,
-                   help="decoupled-ppo: tokens whose behavior weight pi_prox/mu exceeds this are masked (AReaL's "
-                        "name); > 1; default off")
+    add_loss_arguments(g)
     g.add_argument("--advantage-estimator", choices=sorted(ADVANTAGE_ESTIMATORS), default="group-baseline")
     g.add_argument("--loss-aggregation", choices=sorted(AGGREGATIONS), default="token-mean")
     g.add_argument("--kl-coef", type=float, default=0.0,
@@ -375,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", help="HF tokenizer directory (default: the --load-hf directory; without "
                                        "--load-hf, the character tokenizer)")
 
+    for backend in ENGINE_BACKENDS.values():
+        backend.add_arguments(p)
+
     g = p.add_argument_group("ddma")
     g.add_argument("--ddma-bucket-mb", type=int, default=256)
     g.add_argument("--ddma-debug-checksums", action="store_true")
@@ -437,202 +353,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if pre.config:
         parser.set_defaults(**load_config(pre.config, parser))
     args, unknown = parser.parse_known_args(argv)
-    args.sglang, rest = {}, []
-    i = 0
-    while i < len(unknown):
-        item = unknown[i]
-        if item.startswith("--sglang-"):
-            key, _, value = item[len("--sglang-"):].partition("=")
-            if not value and i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
-                value, i = unknown[i + 1], i + 1
-            args.sglang[key.replace("-", "_")] = value or True
-        else:
-            rest.append(item)
-        i += 1
+    args.sglang, rest = collect_server_flags(unknown)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     validate(args, parser)
     return args
-
-
-def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    def positive(flag):
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be >= 1, got {value}")
-
-    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
-                 "--log-interval",
-                 "--global-batch-size", "--rollout-tensor-parallel-size", "--rollout-num-replicas",
-                 "--n-samples-per-prompt", "--rollout-max-response-len", "--reward-timeout",
-                 "--async-alternate-steps", "--recompute-num-layers", "--lr-wsd-decay-iters",
-                 "--max-position-embeddings", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-                 "--rollout-expert-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
-                 "--kv-channels", "--keep-last-n-checkpoints"):
-        positive(flag)
-    if args.use_rollout_routing_replay and args.recompute_granularity == "full" and \
-            args.pipeline_model_parallel_size > 1:
-        parser.error("--use-rollout-routing-replay with --recompute-granularity full needs "
-                     "--pipeline-model-parallel-size 1 (a recomputed layer would replay the routes of a later "
-                     "micro-batch)")
-    if args.moe_aux_loss_coeff < 0:
-        parser.error(f"--moe-aux-loss-coeff must be >= 0, got {args.moe_aux_loss_coeff}")
-    if args.global_batch_size % args.n_samples_per_prompt:
-        parser.error(f"--global-batch-size {args.global_batch_size} is not a multiple of --n-samples-per-prompt "
-                     f"{args.n_samples_per_prompt}")
-    if args.n_samples_per_prompt < 2:
-        parser.error(f"--n-samples-per-prompt must be >= 2 for a group baseline, got {args.n_samples_per_prompt}")
-    validate_lag(args, parser)
-    if args.sft_lr_warmup_iters < 0:
-        parser.error(f"--sft-lr-warmup-iters must be >= 0, got {args.sft_lr_warmup_iters}")
-    if not args.prompt_data and args.eval_size:  # the task's held-out set: distinct problems, as many as asked
-        from megatron_rl.data.tasks.arithmetic import ArithmeticTask
-
-        try:
-            ArithmeticTask(seed=args.seed, min_digits=args.task_min_digits, max_digits=args.task_max_digits,
-                           num_operands=args.task_operands).check_distinct_count(args.eval_size)
-        except ValueError as e:
-            parser.error(str(e))
-    if args.sft_warmup_iters and args.prompt_data and not args.sft_data:
-        parser.error("--sft-warmup-iters with --prompt-data needs --sft-data (conversations to imitate), or drop "
-                     "--sft-warmup-iters")
-    if not args.prompt_data and (args.input_key, args.label_key, args.metadata_key) != ("prompt", "answer", None):
-        parser.error("--input-key, --label-key and --metadata-key name fields of --prompt-data records; the "
-                     "arithmetic task has none (give --prompt-data)")
-    if args.apply_chat_template and not (args.tokenizer or args.load_hf):
-        parser.error("--apply-chat-template needs an HF tokenizer with a chat template (--tokenizer, or --load-hf "
-                     "with its tokenizer files); the character tokenizer has none")
-    if args.system_prompt is not None and not args.apply_chat_template:
-        parser.error("--system-prompt needs --apply-chat-template (a system message is part of a chat)")
-    validate_kl(args, parser)
-    if args.num_query_groups is not None and not args.group_query_attention:
-        parser.error(f"--num-query-groups {args.num_query_groups} needs --group-query-attention (as in Megatron-LM)")
-    if args.group_query_attention and args.num_query_groups is None:
-        parser.error("--group-query-attention needs --num-query-groups")
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        parser.error("--sequence-parallel shards over the tensor-parallel group: it needs "
-                     "--tensor-model-parallel-size > 1")
-    if args.recompute_method and args.recompute_granularity != "full":
-        parser.error(f"--recompute-method {args.recompute_method} needs --recompute-granularity full")
-    if (args.recompute_method is None) != (args.recompute_num_layers is None):
-        parser.error("--recompute-method and --recompute-num-layers go together (Megatron-Core needs both)")
-    if args.lr_decay_style == "WSD" and not args.lr_wsd_decay_iters:
-        parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters (the steps of its decay phase)")
-    if args.eval_prompt_data and len(args.eval_prompt_data) % 2:
-        parser.error(f"--eval-prompt-data takes NAME PATH pairs, got {len(args.eval_prompt_data)} value(s)")
-    names = (args.eval_prompt_data or [])[::2]
-    if len(set(names)) != len(names) or "arithmetic" in names and not args.prompt_data:
-        parser.error(f"--eval-prompt-data: set names must be unique (and not 'arithmetic' while the run trains on "
-                     f"the task, whose held-out set has that name), got {names}")
-    if args.eval_n_samples < 1 or args.eval_interval < 0 or args.eval_temperature < 0:
-        parser.error("--eval-n-samples must be >= 1, --eval-interval >= 0 and --eval-temperature >= 0")
-    if args.save_interval and not args.save:
-        parser.error("--save-interval needs --save")
-    if args.keep_last_n_checkpoints is not None and not args.save:
-        parser.error("--keep-last-n-checkpoints needs --save (it deletes old iterations of that directory)")
-    if args.load_hf and args.load_megatron:
-        parser.error("--load-hf and --load-megatron both give the initial weights: pass one")
-    if args.save_hf_interval < 0:
-        parser.error(f"--save-hf-interval must be >= 0, got {args.save_hf_interval}")
-    if args.rollout_backend == "sglang":
-        if args.sglang_api_key is None and os.environ.get(API_KEY_ENV):
-            try:
-                args.sglang_api_key = api_key(os.environ[API_KEY_ENV])
-            except argparse.ArgumentTypeError as e:
-                parser.error(f"env {API_KEY_ENV} (--sglang-api-key): {e}")
-        if args.rollout_server_urls and len(args.rollout_server_urls) != args.rollout_num_replicas:
-            parser.error(f"--rollout-server-urls has {len(args.rollout_server_urls)} URL(s) for "
-                         f"--rollout-num-replicas {args.rollout_num_replicas}")
-        if args.sglang and args.rollout_server_urls:
-            parser.error(f"{', '.join('--sglang-' + k.replace('_', '-') for k in args.sglang)}: server flags go to "
-                         "the servers a run launches, and --rollout-server-urls attaches to running ones instead "
-                         "(start those with the flags)")
-        if args.partial_rollout_max_tokens:
-            parser.error("--partial-rollout-max-tokens is a built-in engine feature; SGLang has no per-request "
-                         "token budget per weight version")
-    elif args.sglang or args.rollout_server_urls or args.sglang_api_key is not None:
-        flags = [f"--sglang-{k.replace('_', '-')}" for k in args.sglang] + \
-            (["--rollout-server-urls"] if args.rollout_server_urls else []) + \
-            (["--sglang-api-key"] if args.sglang_api_key is not None else [])
-        parser.error(f"{', '.join(flags)} need(s) --rollout-backend sglang")
-    if args.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
-    validate_reward_shaping(args, parser)
-    if args.rollout_temperature <= 0:
-        parser.error(f"--rollout-temperature must be > 0 for RL sampling, got {args.rollout_temperature}")
-    try:
-        algorithm_config(args)
-    except ValueError as e:
-        parser.error(str(e))
-
-
-def validate_lag(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """--async-mode, --max-staleness and --controlled-lag together: fills in their defaults (asynchronous with
-    staleness 1; synchronous with staleness 0; --controlled-lag K: synchronous dispatch, staleness K) and refuses
-    combinations that contradict each other."""
-    lag = args.controlled_lag
-    if lag is not None:
-        if lag < 0:
-            parser.error(f"--controlled-lag must be >= 0, got {lag}")
-        if args.async_mode not in (None, "off"):
-            parser.error(f"--controlled-lag {lag} generates each step's prompts after the latest weights are "
-                         f"published (synchronous dispatch): it cannot run with --async-mode {args.async_mode} "
-                         "(leave --async-mode out)")
-        if args.max_staleness is not None and args.max_staleness < lag:
-            parser.error(f"--controlled-lag {lag} trains rollouts {lag} versions old: --max-staleness (given, or "
-                         f"from --config) must be >= {lag}, got {args.max_staleness}")
-        args.async_mode = "off"
-        args.max_staleness = lag if args.max_staleness is None else args.max_staleness
-        return
-    args.async_mode = args.async_mode or "on"
-    if args.async_mode == "off":
-        args.max_staleness = 0  # the synchronous baseline is on-policy by construction
-    elif args.max_staleness is None:
-        args.max_staleness = 1
-    elif args.max_staleness < 1:
-        parser.error(f"--async-mode {args.async_mode} trains on rollouts one version old: --max-staleness must be "
-                     f">= 1, got {args.max_staleness} (or use --async-mode off)")
-
-
-def validate_reward_shaping(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """The overlong penalty's options: used only with --overlong-penalty, defaults filled in, ranges checked."""
-    if not args.overlong_penalty:
-        given = [f for f, v in (("--overlong-buffer-len", args.overlong_buffer_len),
-                                ("--overlong-penalty-factor", args.overlong_penalty_factor)) if v is not None]
-        if given:
-            parser.error(f"{', '.join(given)} need(s) --overlong-penalty")
-        return
-    limit = args.rollout_max_response_len
-    if args.overlong_buffer_len is None:
-        args.overlong_buffer_len = max(limit // 4, 1)
-    if args.overlong_penalty_factor is None:
-        args.overlong_penalty_factor = 1.0
-    try:
-        OverlongPenalty(limit, args.overlong_buffer_len, args.overlong_penalty_factor)
-    except ValueError as e:
-        parser.error(str(e))
-
-
-def validate_kl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """The KL flags: a coefficient >= 0; --kl-loss-type, --use-kl-in-reward and --ref-load only with a KL penalty.
-    Sets the default --kl-loss-type (k3 in the loss, k1 in the reward)."""
-    if args.kl_coef < 0:
-        parser.error(f"--kl-coef must be >= 0, got {args.kl_coef}")
-    if not args.kl_coef:
-        given = [flag for flag, value in (("--kl-loss-type", args.kl_loss_type), ("--ref-load", args.ref_load),
-                                          ("--use-kl-in-reward", args.use_kl_in_reward)) if value]
-        if given:
-            parser.error(f"{', '.join(given)} need(s) a KL penalty: --kl-coef > 0")
-    if args.kl_loss_type is None:
-        args.kl_loss_type = "k1" if args.use_kl_in_reward else "k3"
-
-
-def algorithm_config(args: argparse.Namespace) -> AlgorithmConfig:
-    """The RL algorithm the flags describe (it checks its own ranges, naming the flags)."""
-    return AlgorithmConfig(
-        loss=args.loss, rho=args.aipo_rho, clip_eps=args.ppo_clip_eps, clip_eps_high=args.ppo_clip_eps_high,
-        dual_clip_c=args.ppo_dual_clip_c, tis_clip=args.tis_clip, is_mask_low=args.is_mask_low,
-        is_mask_high=args.is_mask_high, cispo_eps_low=args.cispo_eps_low, cispo_eps_high=args.cispo_eps_high,
-        behav_imp_weight_cap=args.behav_imp_weight_cap, aggregation=args.loss_aggregation, kl_coef=args.kl_coef,
-        kl_estimator=args.kl_loss_type, kl_in_reward=args.use_kl_in_reward, entropy_coef=args.entropy_coef,
-        temperature=args.rollout_temperature)

@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import math
 
-from megatron_rl.ddma.plan import full_experts_baseline, gather_broadcast_baseline, summarize
-from megatron_rl.models import layout as L
+from megatron_rl.ddma import full_experts_baseline, gather_broadcast_baseline, summarize
+from megatron_rl.models import weight_map
 from megatron_rl.models.fp8 import is_fp8_weight, scale_shape
+from megatron_rl.models.parallelism import TrainerLayout
 
 GIB = 2**30
 
@@ -33,13 +34,13 @@ def is_expert_param(megatron_name: str) -> bool:
     return ".mlp.experts." in megatron_name
 
 
-def expert_data_parallel_size(layout: L.TrainerLayout) -> int:
+def expert_data_parallel_size(layout: TrainerLayout) -> int:
     """Megatron-Core's expert-data-parallel size: the ranks of a stage holding the same expert shard."""
     return layout.tensor_parallel_size * layout.data_parallel_size // (layout.expert_model_parallel_size
                                                                        * layout.expert_tp)
 
 
-def trainer_memory(spec, layout: L.TrainerLayout, bf16: bool, distributed_optimizer: bool,
+def trainer_memory(spec, layout: TrainerLayout, bf16: bool, distributed_optimizer: bool,
                    reference: bool = False) -> dict:
     weight_bytes, adam_bytes = (2, 12) if bf16 else (4, 8)
     dp, edp = layout.data_parallel_size, expert_data_parallel_size(layout)
@@ -49,7 +50,7 @@ def trainer_memory(spec, layout: L.TrainerLayout, bf16: bool, distributed_optimi
     for pp in range(layout.pipeline_parallel_size):
         for dp_rank in range(layout.expert_replica_span if spec.is_moe else 1):
             for tp in range(layout.tensor_parallel_size):
-                shards = L.megatron_shards(spec, layout, tp, pp, dp_rank)
+                shards = weight_map.megatron_shards(spec, layout, tp, pp, dp_rank)
                 experts = sum(s.numel for n, s in shards.items() if is_expert_param(n))
                 dense = sum(s.numel for s in shards.values()) - experts
                 optimizer = (dense * adam_bytes / dp + experts * adam_bytes / edp if distributed_optimizer
@@ -69,7 +70,7 @@ def trainer_memory(spec, layout: L.TrainerLayout, bf16: bool, distributed_optimi
 def generator_memory(spec, tp: int, fp8: bool, ep: int = 1) -> dict:
     busiest = None
     for rank in range(tp):
-        shards = L.sglang_shards(spec, tp, rank, ep)
+        shards = weight_map.sglang_shards(spec, tp, rank, ep)
         params = sum(s.numel for s in shards.values())
         quantized = {n: s for n, s in shards.items() if fp8 and is_fp8_weight(n)}
         fp8_params = sum(s.numel for s in quantized.values())

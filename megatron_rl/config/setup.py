@@ -3,21 +3,21 @@
 `build_run_setup(args, world_size)` loads the tokenizer and the model architecture, builds the trainer's and
 the generators' layouts from the flags and the world size, and validates them all: the layouts against the
 model, Megatron-Core's own TransformerConfig checks (uneven pipeline stages included), the DDMA plan between
-the two layouts, a `--load` or `--load-megatron` checkpoint against the model, and the `--sglang-<flag>` server flags
-(`rollout/sglang_flags.py`). `--dry-run` and a real launch call this same function, so whatever the dry run
-accepts the run accepts, and the other way round.
+the two layouts, a `--load` or `--load-megatron` checkpoint against the model, and the generator backend's own
+checks (SGLang's `--sglang-<flag>` server flags: `rollout.sglang.flags`). `--dry-run` and a real launch call this
+same function, so whatever the dry run accepts the run accepts, and the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import os
 import zlib
 
-from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
+from megatron_rl.models.megatron_config import check_megatron_config
+from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import ModelSpec, get_model_spec
 
 
@@ -28,8 +28,8 @@ class RunSetup:
     spec: ModelSpec
     trainer: TrainerLayout
     generator: GeneratorLayout
-    # --sglang-<flag> values, checked and typed (sglang_flags.check_server_flags): what each launched SGLang server
-    # gets on top of the run's own server arguments. Empty for the built-in engine.
+    # --sglang-<flag> values, checked and typed (rollout.sglang.flags.check_server_flags): what each launched SGLang
+    # server gets on top of the run's own server arguments. Empty for the built-in engine.
     sglang_flags: dict = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
@@ -46,7 +46,7 @@ class RunSetup:
 
     def plan(self):
         """The DDMA plan between the two layouts (computed once per process, cached by `make_plan`)."""
-        from megatron_rl.ddma.plan import make_plan
+        from megatron_rl.ddma import make_plan
 
         return make_plan(self.spec, self.trainer, self.generator)
 
@@ -178,42 +178,14 @@ def layouts(args, world_size: int) -> tuple[TrainerLayout, GeneratorLayout]:
     return trainer, generator
 
 
-def check_megatron_config(spec: ModelSpec, trainer: TrainerLayout) -> None:
-    """Build the TransformerConfig the trainer will build: Megatron-Core's own checks run here too."""
-    import warnings
-
-    import torch
-
-    from megatron_rl.trainer.model import transformer_config
-
-    try:
-        with warnings.catch_warnings():  # Megatron-Core's deprecation notes: the trainer prints them when it builds
-            warnings.simplefilter("ignore")
-            transformer_config(spec, trainer,
-                               params_dtype=torch.bfloat16 if trainer.dtype_bytes == 2 else torch.float32)
-    except (ValueError, AssertionError) as e:
-        raise ValueError(f"Megatron-Core refuses the trainer layout ({trainer.describe()}, model {spec.name!r}): "
-                         f"{e}") from None
-    if spec.is_moe and trainer.tensor_parallel_size > 1 and not trainer.sequence_parallel:
-        raise ValueError(f"a mixture of experts with --tensor-model-parallel-size {trainer.tensor_parallel_size} "
-                         "trains only with --sequence-parallel (Megatron-Core's MoE layer refuses tensor parallelism "
-                         "without it in training), which needs Transformer Engine or Apex norms; without them keep "
-                         "--tensor-model-parallel-size 1 and split the experts with --expert-model-parallel-size and "
-                         "--expert-tensor-parallel-size")
-    if trainer.sequence_parallel and not trainer.transformer_engine and importlib.util.find_spec("apex") is None:
-        raise ValueError("--sequence-parallel needs norms that Megatron-Core can run on sequence shards: "
-                         "--transformer-impl transformer_engine, or Apex for the local spec (its torch norm refuses "
-                         "sequence parallelism)")
-
-
 def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     """Validate the launch and return its setup. `tokenizer`: use this one instead of loading --tokenizer (the
     dry run plans without tokenizer files)."""
     from megatron_rl.checkpoint import rl_checkpoint
     from megatron_rl.data.readers import file_format
-    from megatron_rl.ddma.plan import validate as validate_plan
+    from megatron_rl.ddma import validate_plan
     from megatron_rl.rewards.registry import reward_factory
-    from megatron_rl.rollout.sglang.flags import check_server_flags
+    from megatron_rl.rollout import ENGINE_BACKENDS
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args)
     spec = model_spec(args, tokenizer)
@@ -224,12 +196,8 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     validate_plan(spec, trainer, generator)  # both layouts against the model, and against each other
     if getattr(args, "use_rollout_routing_replay", False) and not spec.is_moe:
         raise ValueError(f"--use-rollout-routing-replay: model {spec.name!r} has no experts to route")
-    if getattr(args, "rollout_backend", "local") == "sglang":
-        from megatron_rl.rollout.sglang.server import served_model_problems
-
-        problems = served_model_problems(spec, {})  # what no SGLang server argument can fix (a sliding window)
-        if problems:
-            raise ValueError(f"--rollout-backend sglang cannot serve model {spec.name!r}: {'; '.join(problems)}")
+    # the generator backend's own checks; SGLang's: can it serve the model, and the --sglang-<flag> server flags
+    server_flags = ENGINE_BACKENDS[getattr(args, "rollout_backend", "local")].check_setup(args, spec)
     check_megatron_config(spec, trainer)
     per_step = trainer.data_parallel_size * args.micro_batch_size
     if args.global_batch_size % per_step:
@@ -248,12 +216,9 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
                                        expert_model_parallel_size=trainer.expert_model_parallel_size,
                                        controlled_lag=getattr(args, "controlled_lag", None))
     if args.kl_coef and args.ref_load:  # the reference's files and architecture, before any weight is built
-        from megatron_rl.trainer.reference import check_reference_checkpoint
-
-        check_reference_checkpoint(args.ref_load, spec, trainer.transformer_impl)
+        rl_checkpoint.check_reference_checkpoint(args.ref_load, spec, trainer.transformer_impl)
     if args.load_megatron:  # the initial weights: the model in them is this run's
         rl_checkpoint.check_initial_weights(args.load_megatron, spec, trainer.transformer_impl)
-    sglang_flags = check_server_flags(args.sglang) if getattr(args, "sglang", None) else {}
-    setup = RunSetup(args, tokenizer, spec, trainer, generator, sglang_flags)
+    setup = RunSetup(args, tokenizer, spec, trainer, generator, server_flags)
     setup.stop_token_ids  # noqa: B018 - reads generation_config.json now: a bad one fails here, not mid-run
     return setup

@@ -22,7 +22,7 @@ import torch
 
 from megatron_rl.algorithms import lag_histogram
 from megatron_rl.algorithms.gates import failure_gate, version_gate
-from megatron_rl.rewards.result import RewardResult
+from megatron_rl.rewards.types import RewardResult
 from megatron_rl.rollout.types import RequestMeta, RolloutOutput
 
 

@@ -22,7 +22,6 @@ channels; `train.run` builds it beside the executors, so it owns none of them (t
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import time
@@ -32,6 +31,7 @@ from megatron_rl.checkpoint import rl_checkpoint
 from megatron_rl.config.setup import RunSetup, stable_seed
 from megatron_rl.controller import evaluation
 from megatron_rl.controller.buffer import Rollout, RolloutBuffer
+from megatron_rl.controller.held import HeldBatch
 from megatron_rl.controller.prompt_source import PromptSource
 from megatron_rl.controller.reward_failures import RewardFailures
 from megatron_rl.controller.reward_stage import RewardStage
@@ -51,41 +51,6 @@ from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rollout.types import RequestMeta
 from megatron_rl.trainer.batch import TrainBatch
-
-
-@dataclasses.dataclass
-class HeldBatch:
-    """One step's groups, collected at trainer `version` and held until trained (--controlled-lag); `seen`: what
-    `Controller.collect` popped for them (discards, lags at `version`, rewards, ages, outcomes)."""
-
-    version: int
-    groups: list[list[Rollout]]
-    seen: dict
-
-    def released_at(self, version: int) -> tuple[list, dict]:
-        """The groups and their figures as trained at `version`: lags measured from it, ages up to now."""
-        shift, now = version - self.version, time.time()
-        lags = Counter({lag + shift: n for lag, n in self.seen["lags"].items()})
-        ages = [now - r.meta.dispatched_at for g in self.groups for r in g]
-        return self.groups, {**self.seen, "lags": lags, "ages": ages}
-
-    def to_dict(self) -> dict:
-        """JSON-ready (the RL checkpoint). The groups are the trained outcomes, by prompt: not stored twice."""
-        seen = self.seen
-        return {"version": self.version, "discards": dict(seen["discards"]),
-                "lags": {str(k): v for k, v in seen["lags"].items()}, "sampled_rewards": seen["sampled_rewards"],
-                "outcomes": [[r.to_dict(), reason] for r, reason in seen["outcomes"]]}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> HeldBatch:
-        outcomes = [(Rollout.from_dict(r), reason) for r, reason in d["outcomes"]]
-        groups = defaultdict(list)
-        for r, reason in outcomes:
-            if reason is None:
-                groups[r.prompt_id].append(r)
-        seen = {"discards": Counter(d["discards"]), "lags": Counter({int(k): v for k, v in d["lags"].items()}),
-                "sampled_rewards": d["sampled_rewards"], "ages": [], "outcomes": outcomes}  # ages: at release
-        return cls(d["version"], list(groups.values()), seen)
 
 
 class Controller:

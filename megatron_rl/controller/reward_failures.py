@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from megatron_rl.rewards.result import RewardResult
+from megatron_rl.rewards.types import RewardResult
 
 
 class RewardFailures:

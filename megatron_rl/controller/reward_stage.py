@@ -14,9 +14,8 @@ import queue
 import threading
 import time
 
-from megatron_rl.rewards.result import RewardResult
-from megatron_rl.rewards.sample import RewardSample
 from megatron_rl.rewards.shaping import OverlongPenalty
+from megatron_rl.rewards.types import RewardResult, RewardSample
 from megatron_rl.rollout.types import RequestMeta, RolloutOutput
 
 

@@ -1,6 +1,6 @@
 """DDMA planning: which trainer rank sends which slice to which generator rank.
 
-Both sides are described by the one layout mapping (`models.layout`): a generator rank's runtime tensor is a
+Both sides are described by the one layout mapping (`models.weight_map`): a generator rank's runtime tensor is a
 list of HF row ranges (SGLang layout), and each trainer rank holds HF row ranges inside its Megatron shards.
 Intersecting the two gives point-to-point pieces: (trainer rank, Megatron tensor, offset) -> (generator
 rank, runtime tensor, offset), `length` rows along the split dim. Resharding TP m -> n, fused QKV per query
@@ -24,9 +24,9 @@ import functools
 import math
 from collections import defaultdict
 
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.models.fp8 import BLOCK, is_fp8_weight, scale_shape
-from megatron_rl.models.layout import GeneratorLayout, TrainerLayout
+from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import ModelSpec
 
 
@@ -53,7 +53,7 @@ class Plan:
     trainer: TrainerLayout
     generator: GeneratorLayout
     pieces: list[Piece]
-    runtime: dict[int, dict[str, L.ShardLayout]]  # generator global rank -> its runtime tensors
+    runtime: dict[int, dict[str, weight_map.ShardLayout]]  # generator global rank -> its runtime tensors
     quantized_tensors: frozenset[str]  # runtime names sent as FP8 by the trainer
     schedules: dict = dataclasses.field(default_factory=dict, repr=False)  # per-rank buckets (ddma.sync)
     buffers: dict = dataclasses.field(default_factory=dict, repr=False)  # per-rank reused buffers (ddma.sync)
@@ -115,13 +115,13 @@ def _trainer_index(spec: ModelSpec, trainer: TrainerLayout):
     rank that holds a row is listed (DP replicas, TP ranks for replicated norms); with expert parallelism a
     data-parallel rank holds only its EP rank's experts."""
     ranges: dict[str, dict[tuple[int, int], list]] = defaultdict(dict)
-    shards_of: dict[tuple, dict[str, L.ShardLayout]] = {}
+    shards_of: dict[tuple, dict[str, weight_map.ShardLayout]] = {}
     for pp in range(trainer.pipeline_parallel_size):
         for dp in range(trainer.data_parallel_size):
             for tp in range(trainer.tensor_parallel_size):
                 key = (tp, pp, dp % trainer.expert_replica_span)
                 if key not in shards_of:
-                    shards_of[key] = L.megatron_shards(spec, trainer, tp, pp, key[2])
+                    shards_of[key] = weight_map.megatron_shards(spec, trainer, tp, pp, key[2])
                 for name, shard in shards_of[key].items():
                     if name == "output_layer.weight" and spec.tie_word_embeddings:
                         continue  # a copy of the embedding on the last stage: the first stage sends it
@@ -158,7 +158,7 @@ def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayou
     # Pieces of one replica, per generator TP rank (the same for every replica): (runtime name, dst offset,
     # length, dim, row_numel, quantize, nbytes, holder ranks, rank -> (megatron name, offset), row shift), the
     # source offset being the chosen holder's offset plus the shift.
-    runtime_by_tp = {j: L.sglang_shards(spec, gtp, j, generator.expert_parallel_size) for j in range(gtp)}
+    runtime_by_tp = {j: weight_map.sglang_shards(spec, gtp, j, generator.expert_parallel_size) for j in range(gtp)}
     memo: dict[int, tuple] = {}
     template: dict[int, list] = {}
     quantized: set[str] = set()
@@ -197,7 +197,7 @@ def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayou
     sent = [0] * trainer.world_size
     bytes_sent = sent.__getitem__
     pieces: list[Piece] = []
-    runtime: dict[int, dict[str, L.ShardLayout]] = {}
+    runtime: dict[int, dict[str, weight_map.ShardLayout]] = {}
     for replica in range(generator.num_replicas):
         for j in range(gtp):
             dst = generator.rank(replica, j)

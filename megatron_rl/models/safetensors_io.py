@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megatron_rl.models.layout import Segment
+from megatron_rl.models import weight_map
+from megatron_rl.models.spec import ModelSpec
+from megatron_rl.models.weight_map import Segment
 
 _DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -159,3 +161,27 @@ def auxiliary_files(directory: str) -> Iterable[str]:
         if os.path.isfile(path) and not name.endswith(WEIGHT_SUFFIXES) and name not in (
             "config.json", "model.safetensors.index.json", "megatron_rl.json"):
             yield name
+
+
+def validate_hf_checkpoint(spec: ModelSpec, ckpt: HFCheckpoint) -> torch.dtype:
+    """Every tensor the spec needs is present with the right shape, and there is nothing unexplained.
+    Returns the checkpoint's dtype."""
+    expected = weight_map.hf_shapes(spec)
+    present = set(ckpt.keys())
+    if spec.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some tied checkpoints still store the alias
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise ValueError(f"HF checkpoint {ckpt.directory!r} is missing tensor {missing[0]!r}"
+                         f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+    unexpected = sorted(n for n in present - set(expected) if not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"HF checkpoint {ckpt.directory!r} has tensor {unexpected[0]!r} that model "
+                         f"{spec.name!r} does not use")
+    for name, shape in expected.items():
+        if ckpt.shape(name) != shape:
+            raise ValueError(f"HF tensor {name!r} has shape {ckpt.shape(name)}, config.json implies {shape}")
+    dtypes = {ckpt.dtype(n) for n in expected}
+    if len(dtypes) != 1:
+        raise ValueError(f"HF checkpoint mixes dtypes {sorted(map(str, dtypes))}")
+    return dtypes.pop()

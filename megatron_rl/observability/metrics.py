@@ -35,7 +35,7 @@ def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
 
 def run_config(args) -> dict:
     """The run's flags as logged to wandb: the scalar ones (str, int, float, bool). A credential
-    (--sglang-api-key, an `arguments.Secret`) is no scalar, so it is never logged."""
+    (--sglang-api-key, a `rollout.sglang.arguments.Secret`) is no scalar, so it is never logged."""
     return {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
 
 

@@ -4,9 +4,8 @@
 from megatron_rl.rewards.custom import CustomReward
 from megatron_rl.rewards.math import MathScorer, extract_answer, verdict
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS, build_reward_fn
-from megatron_rl.rewards.result import EXCLUDED_STATUSES, INFRASTRUCTURE_FAILURES, STATUSES, RewardResult
 from megatron_rl.rewards.rules import combine, format_reward
-from megatron_rl.rewards.sample import RewardSample
+from megatron_rl.rewards.types import EXCLUDED_STATUSES, INFRASTRUCTURE_FAILURES, STATUSES, RewardResult, RewardSample
 
 __all__ = [
     "CustomReward", "EXCLUDED_STATUSES", "INFRASTRUCTURE_FAILURES", "MathScorer", "REWARD_FUNCTIONS",

@@ -23,10 +23,8 @@ import re
 import sys
 from collections.abc import Callable
 
-from megatron_rl.rewards.pooled import PooledReward
-from megatron_rl.rewards.result import STATUSES, RewardResult
-from megatron_rl.rewards.sample import RewardSample
-from megatron_rl.rewards.time_limit import TimeLimitExceeded, time_limit
+from megatron_rl.rewards.types import STATUSES, RewardResult, RewardSample
+from megatron_rl.rewards.workers import PooledReward, TimeLimitExceeded, time_limit
 
 
 def resolve(spec: str) -> str:

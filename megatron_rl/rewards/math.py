@@ -8,7 +8,7 @@ together as a set ("\\boxed{3}, \\boxed{4}" is {3, 4}): hedging between candidat
 A reference that is prose ("Paris", "the red one") is compared as text, ignoring case, spacing and
 punctuation: math-verify would read it as a product of symbols, in which word order does not count.
 
-Statuses (`rewards.result`): "scored" (reward 1.0 or 0.0), "wrong-format" (no final answer could be extracted
+Statuses (`rewards.types`): "scored" (reward 1.0 or 0.0), "wrong-format" (no final answer could be extracted
 or parsed: reward 0.0, the policy's fault), "bad-input" (the label is None or not text: excluded), "timeout" and
 "scorer-failure" (infrastructure: excluded from training, never a reward). Pairs decided without sympy (no
 answer, integers, prose) are decided in the caller's process; the rest run in worker processes, each under a
@@ -22,10 +22,8 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from megatron_rl.rewards.pooled import PooledReward
-from megatron_rl.rewards.result import RewardResult
-from megatron_rl.rewards.sample import RewardSample
-from megatron_rl.rewards.time_limit import TimeLimitExceeded, time_limit
+from megatron_rl.rewards.types import RewardResult, RewardSample
+from megatron_rl.rewards.workers import PooledReward, TimeLimitExceeded, time_limit
 
 # ---- extraction --------------------------------------------------------------------------------------------------
 

@@ -12,9 +12,8 @@ from collections.abc import Callable
 
 from megatron_rl.rewards.custom import CustomReward, load, resolve
 from megatron_rl.rewards.math import MathScorer
-from megatron_rl.rewards.result import RewardResult
 from megatron_rl.rewards.rules import combine, format_reward
-from megatron_rl.rewards.sample import RewardSample
+from megatron_rl.rewards.types import RewardResult, RewardSample
 
 RewardFn = Callable[[list[RewardSample]], list[RewardResult]]
 

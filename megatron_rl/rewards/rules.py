@@ -10,8 +10,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
-from megatron_rl.rewards.result import RewardResult
-from megatron_rl.rewards.sample import RewardSample
+from megatron_rl.rewards.types import RewardResult, RewardSample
 
 RewardFn = Callable[[list[RewardSample]], list[RewardResult]]
 

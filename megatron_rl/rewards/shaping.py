@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rl.rewards.result import RewardResult
+from megatron_rl.rewards.types import RewardResult
 
 
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float) -> float:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron_rl.config.setup import RunSetup
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
-from megatron_rl.rollout.backends import ENGINE_BACKENDS
+from megatron_rl.rollout import ENGINE_BACKENDS
 from megatron_rl.rollout.types import RequestMeta, SamplingParams
 from megatron_rl.runtime import failpoints
 from megatron_rl.runtime.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
@@ -29,7 +29,7 @@ class GeneratorWorker:
     def __init__(self, setup: RunSetup, roles: Roles):
         self.args, self.roles = setup.args, roles
         self.dtype = torch.bfloat16 if self.args.bf16 else torch.float32
-        self.engine = ENGINE_BACKENDS[self.args.rollout_backend](setup, roles)
+        self.engine = ENGINE_BACKENDS[self.args.rollout_backend].build(setup, roles)
         self.plan = setup.plan()
         self.transport = make_transport(roles)
         self.control = Channel(roles.sync_group, TAG_CONTROL, last_kind="stop")

@@ -12,6 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_rl.checkpoint.rl_checkpoint import HAS_REFERENCE, check_has_reference
 from megatron_rl.trainer.policy import Policy
 
 SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -53,7 +54,7 @@ def save_trainer_checkpoint(policy: Policy, directory: str, scheduler=None, extr
     _check_resumable(policy)
     state = _sharded_state(policy, scheduler, is_loading=False, reference=reference)
     state["extra"] = extra or {}
-    state["has_reference"] = reference is not None
+    state[HAS_REFERENCE] = reference is not None
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
@@ -84,11 +85,3 @@ def load_trainer_checkpoint(policy: Policy, directory: str, scheduler=None,
     return loaded.get("extra", {})
 
 
-def check_has_reference(directory: str) -> None:
-    """A run whose reference is the policy RL started from can resume only from a checkpoint that saved it."""
-    from megatron_rl.checkpoint.safe_load import load_common
-
-    if not load_common(directory).get("has_reference"):
-        raise ValueError(f"--load: checkpoint {directory!r} holds no reference model (it was saved without "
-                         "--kl-coef), and the default reference, the policy as RL began, cannot be restored: pass "
-                         "--ref-load, or resume with --kl-coef 0")

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from megatron_rl.algorithms import AlgorithmConfig
 from megatron_rl.checkpoint import rl_checkpoint
 from megatron_rl.checkpoint.megatron_format import RL_FORMAT
-from megatron_rl.config.arguments import algorithm_config
 from megatron_rl.config.setup import RunSetup, model_directory
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
@@ -57,7 +56,7 @@ class TrainerExecutor:
                               moe_aux_loss_coeff=args.moe_aux_loss_coeff)
         self.scheduler = build_scheduler(policy, args.lr_warmup_iters, args.train_iters, args.lr_decay_style,
                                          args.lr_wsd_decay_iters, args.lr_wsd_decay_style)
-        self.rl_algo = algorithm_config(args)
+        self.rl_algo = AlgorithmConfig.from_args(args)
         self.sft_algo = AlgorithmConfig(loss="sft")
         self.reference = self._build_reference(policy)
         self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler, self.reference)

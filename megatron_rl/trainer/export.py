@@ -10,7 +10,7 @@ iteration, so that tools/convert_megatron_to_hf.py exports an iteration and --lo
 whole model: each trainer rank of data-parallel rank 0 (and, with expert parallelism, of the next DP ranks up to
 the layout's expert replica span, which hold the other experts) writes its own shard file (the per-rank
 `safetensors` format of `conversion`), then trainer rank 0 assembles the HF tensors one at a time from those files
-(`megatron_format.megatron_to_hf`) and removes them.
+(`hf_conversion.megatron_to_hf`) and removes them.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import shutil
 
 import torch
 
-from megatron_rl.checkpoint import megatron_format
-from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.checkpoint import hf_conversion, megatron_format
+from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.models.spec import ModelSpec
 
 GENERATION_CONFIG = "generation_config.json"
@@ -68,7 +68,8 @@ class ModelDescription:
         return config
 
     def write(self, directory: str, weights_format: str) -> dict:
-        """Describe the weights in `directory` (of `weights_format`, see `conversion`); returns megatron_rl.json."""
+        """Describe the weights in `directory` (of `weights_format`, see `checkpoint.megatron_format`); returns
+        megatron_rl.json."""
         written = [os.path.basename(p) for p in self.tokenizer.save_pretrained(directory)]
         self.generation_config().save_pretrained(directory)
         auxiliary = sorted({n for n in written if os.path.isfile(os.path.join(directory, n))} | {GENERATION_CONFIG})
@@ -91,6 +92,6 @@ def save_hf(model: torch.nn.Module, description: ModelDescription, directory: st
     if dist.get_rank() == 0:
         try:
             description.write(shards, "safetensors")
-            megatron_format.megatron_to_hf(shards, directory, overwrite=True, progress=False)
+            hf_conversion.megatron_to_hf(shards, directory, overwrite=True, progress=False)
         finally:
             shutil.rmtree(shards, ignore_errors=True)

@@ -8,15 +8,9 @@ Transformer Engine's, whose parameter names the layout mapping then uses). As in
 on the rank's GPU unless `use_cpu_initialization` (Megatron's --use-cpu-initialization, always on for a CPU rank):
 then every TP layout of the same seed holds the same full weights, which is what the parity tests rely on.
 
-Architecture fields map to Megatron-Core's TransformerConfig: the head size (`kv_channels`, Qwen3's is not hidden /
-heads), Qwen3's per-head q/k RMSNorm (`qk_layernorm`), Mistral's sliding window W (Megatron's `window_size` (W - 1,
-0): each token sees itself and the W - 1 before it, which the local DotProductAttention's torch softmax and
-Transformer Engine both apply), and experts. A mixture of experts is Megatron's MoE layer with a softmax router:
-HF's top-k renormalized (`moe_norm_topk_prob`, Qwen3-MoE's norm_topk_prob and always Mixtral's) is top-k of the
-logits then a softmax over those k (moe_router_pre_softmax False); without renormalization it is a softmax over all
-experts, then top-k (moe_router_pre_softmax True). The router's load-balancing loss is Megatron's "aux_loss" with
-`moe_aux_loss_coeff` (--moe-aux-loss-coeff, 0: none). Experts are Megatron's local SequentialMLP in the local spec
-and Transformer Engine's grouped GEMM in its spec, whose parameter names models.layout maps.
+The TransformerConfig itself is `models.megatron_config.transformer_config` (built by the run setup too, for
+Megatron-Core's checks). Experts are Megatron's local SequentialMLP in the local spec and Transformer Engine's grouped
+GEMM in its spec, whose parameter names `models.weight_map` maps.
 """
 
 from __future__ import annotations
@@ -24,9 +18,9 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-import torch.nn.functional as F
 
-from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.models.megatron_config import transformer_config
+from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.models.spec import ModelSpec
 
 
@@ -34,68 +28,9 @@ def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
 
 
-def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: torch.dtype = torch.float32,
-                       use_cpu_initialization: bool = True, moe_aux_loss_coeff: float = 0.0, **overrides):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    layout.validate(spec)
-    moe = {}
-    if spec.is_moe:
-        moe = dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-                   moe_router_topk=spec.moe_router_topk, moe_router_pre_softmax=not spec.moe_norm_topk_prob,
-                   moe_router_dtype="fp32",  # routes in fp32 whatever the compute dtype, as the built-in engine does
-                   moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=moe_aux_loss_coeff,
-                   moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
-                   moe_grouped_gemm=layout.transformer_engine,
-                   expert_model_parallel_size=layout.expert_model_parallel_size,
-                   expert_tensor_parallel_size=layout.expert_tp)
-    kwargs = dict(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_key_value_heads,
-        kv_channels=spec.head_dim,
-        qk_layernorm=spec.qk_layernorm,
-        window_size=(spec.sliding_window - 1, 0) if spec.sliding_window else None,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        attention_softmax_in_fp32=True,
-        apply_query_key_layer_scaling=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=layout.tensor_parallel_size,
-        pipeline_model_parallel_size=layout.pipeline_parallel_size,
-        num_layers_in_first_pipeline_stage=layout.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=layout.decoder_last_pipeline_num_layers,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        pipeline_dtype=params_dtype,
-        use_cpu_initialization=use_cpu_initialization,
-        init_method_std=0.02,
-        sequence_parallel=layout.sequence_parallel,
-        recompute_granularity=layout.recompute_granularity,
-        recompute_method=layout.recompute_method,
-        recompute_num_layers=layout.recompute_num_layers,
-        **moe,
-    )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
-
-
 def layer_spec(transformer_impl: str, spec: ModelSpec | None = None):
     """Megatron-Core's layer spec for `--transformer-impl` and the model's q/k norms and experts (Transformer
-    Engine's experts are its grouped GEMM, the names models.layout uses); Transformer Engine must be importable
+    Engine's experts are its grouped GEMM, the names models.weight_map uses); Transformer Engine must be importable
     for its spec."""
     from megatron.core.models.gpt import gpt_layer_specs
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.models.spec import ModelSpec
 from megatron_rl.runtime import cpu_compat
 from megatron_rl.runtime.device import select_device

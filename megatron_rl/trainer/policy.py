@@ -21,10 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.layout import TrainerLayout
+from megatron_rl.models.megatron_config import transformer_config
+from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.models.spec import ModelSpec
 from megatron_rl.trainer import routing_replay
-from megatron_rl.trainer.model import build_gpt_model, transformer_config
+from megatron_rl.trainer.model import build_gpt_model
 
 
 @dataclasses.dataclass

@@ -10,12 +10,8 @@ checkpoints store them, so a resumed run keeps the reference it started with.
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
-from megatron_rl.models.spec import ModelSpec
 from megatron_rl.trainer.policy import Policy, forward_logprobs
 
 
@@ -24,7 +20,8 @@ class ReferenceModel:
     and `logprobs` refuses to run)."""
 
     def __init__(self, policy: Policy):
-        from megatron_rl.trainer.model import build_gpt_model, transformer_config
+        from megatron_rl.models.megatron_config import transformer_config
+        from megatron_rl.trainer.model import build_gpt_model
 
         self.spec, self.layout, self.device = policy.spec, policy.layout, policy.device
         config = transformer_config(policy.spec, policy.layout, params_dtype=policy.config.params_dtype,
@@ -63,28 +60,3 @@ class ReferenceModel:
         return forward_logprobs(self.module, microbatches, self.spec.vocab_size, temperature)
 
 
-def check_reference_checkpoint(directory: str, spec: ModelSpec, transformer_impl: str) -> None:
-    """Everything about --ref-load that can be checked before any weight exists: the directory holds an HF
-    checkpoint (config.json and every tensor of the model, right shapes) or Megatron weights that --load-megatron
-    would accept (converter output of either format, an RL checkpoint or one of its iterations), of the same
-    architecture as the policy. Errors name the flag."""
-    from megatron_rl.checkpoint import rl_checkpoint
-
-    if not os.path.isdir(directory):
-        raise ValueError(f"--ref-load {directory!r}: no such directory")
-    if not rl_checkpoint.is_hf_directory(directory):
-        rl_checkpoint.check_initial_weights(directory, spec, transformer_impl, flag="--ref-load")
-        return
-    from megatron_rl.checkpoint.megatron_format import validate_hf_checkpoint
-    from megatron_rl.models.safetensors_io import HFCheckpoint
-
-    try:
-        ckpt = HFCheckpoint(directory)
-        ref_spec = ModelSpec.from_hf_config(ckpt.config)
-        validate_hf_checkpoint(ref_spec, ckpt)
-    except (OSError, KeyError, json.JSONDecodeError, ValueError) as e:
-        raise ValueError(f"--ref-load {directory!r}: {e}") from None
-    for field, value in spec.weight_fields().items():
-        if getattr(ref_spec, field) != value:
-            raise ValueError(f"--ref-load {directory!r}: the reference model has {field} {getattr(ref_spec, field)}, "
-                             f"the policy's is {value} (model {spec.name!r})")

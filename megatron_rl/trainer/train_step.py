@@ -33,7 +33,7 @@ def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch
     # The batch's own width, not the sequence-parallel padding's: the seq-sum-constant divisor is the same either way.
     aggregation = dict(aggregation=algo.aggregation, normalizer=normalizer, constant=float(mb["width"]))
     loss, indicators = algorithms.LOSSES[algo.loss].compute(
-        algorithms.LossInputs(logprobs, blp, mb["advantages"], mask, aggregation), algo)
+        algorithms.LossInputs(logprobs, blp, mb["advantages"], mask, aggregation), algo.params)
     stats: dict[str, Any] = {"pg_loss": loss.detach(),
                              "indicator_counts": {name: (flag & mask).sum() for name, flag in indicators.items()}}
     if algo.kl_coef:

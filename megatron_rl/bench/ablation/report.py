@@ -253,7 +253,7 @@ the runs of a seed (exported once per seed, loaded with `--load-hf`; RL starts w
 
 
 def losses_table(losses: list[str]) -> str:
-    rows = "\n".join(f"| {loss} | {LOSS_TEXT.get(loss, 'see megatron_rl/algorithms/losses.py')} |" for loss in losses)
+    rows = "\n".join(f"| {loss} | {LOSS_TEXT.get(loss, 'see megatron_rl/algorithms/losses/')} |" for loss in losses)
     return ("## The losses\n\nmu: the behavior policy (the generator's log-probs), pi: the policy trained, A: the "
             "group-baseline advantage, sg: stop-gradient; per token. Parameters: the example's flags, else the "
             "defaults of `python -m megatron_rl.train -h`.\n\n| loss | what it computes |\n| --- | --- |\n" + rows +

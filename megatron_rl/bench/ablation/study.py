@@ -97,11 +97,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def grid_problem(args: argparse.Namespace) -> str | None:
     """Why the grid cannot run as asked (None if it can)."""
-    from megatron_rl.algorithms import POLICY_LOSSES
+    from megatron_rl.algorithms import policy_losses
 
-    unknown = [loss for loss in args.losses if loss not in POLICY_LOSSES]
+    unknown = [loss for loss in args.losses if loss not in policy_losses()]
     if unknown:
-        return f"--losses {unknown}: unknown; choose from {list(POLICY_LOSSES)}"
+        return f"--losses {unknown}: unknown; choose from {policy_losses()}"
     if min(args.lags) < 0:
         return f"--lags must be >= 0, got {args.lags}"
     for name in ("lags", "losses", "seeds"):
@@ -347,7 +347,7 @@ def git_commit() -> str | None:
 
 def build_summary(args: argparse.Namespace, argv: list[str], script: str, grid: dict, context: dict) -> dict:
     """summary.json: the grid, the rules, every run's figures and every cell's over seeds, the cost."""
-    from megatron_rl.config.arguments import redact_argv
+    from megatron_rl.rollout.sglang.arguments import redact_argv
 
     runs = []
     for (lag, loss, seed), record in grid["runs"].items():

@@ -1,7 +1,7 @@
 """The built-in engine's decoder: Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE and Mixtral over a TP group, holding
 SGLang's runtime parameters.
 
-Each TP rank holds exactly what an SGLang TP rank holds (names and shapes from `models.layout.sglang_shards`):
+Each TP rank holds exactly what an SGLang TP rank holds (names and shapes from `models.weight_map.sglang_shards`):
 fused `qkv_proj` = [q_r; k_r; v_r], `gate_up_proj` = [gate_r; up_r], row-parallel `o_proj` / `down_proj`,
 vocab-parallel `embed_tokens` / `lm_head` (padded to 64), replicated norms (Qwen3's per-head `q_norm` /
 `k_norm` too). Weight updates therefore arrive in the layout DDMA sends to SGLang.
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.models.fp8 import (
     SCALE_SUFFIX,
     RowwiseFP8,
@@ -49,6 +49,7 @@ from megatron_rl.models.fp8 import (
     quantize_block_fp8,
     scale_shape,
 )
+from megatron_rl.models.parallelism import generator_experts, sglang_padded_vocab
 from megatron_rl.models.spec import ModelSpec
 
 
@@ -85,13 +86,13 @@ class TPDecoder:
         # FP8 tensor-core GEMMs (row-wise scales) where the device has them; else dequantize to `dtype`.
         self.fp8_gemm = fp8 and fp8_gemm_supported(self.device)
         self.ep_size = ep_size
-        self.layouts = L.sglang_shards(spec, tp_size, tp_rank, ep_size)
+        self.layouts = weight_map.sglang_shards(spec, tp_size, tp_rank, ep_size)
         # This rank's experts (global numbers, consecutive) and each layer's MoE names.
-        self.experts = L.generator_experts(spec, tp_size, tp_rank, ep_size)[0] if spec.is_moe else range(0)
-        self.moe_names = [L.hf_moe_names(spec, i) for i in range(spec.num_layers)] if spec.is_moe else []
+        self.experts = generator_experts(spec, tp_size, tp_rank, ep_size)[0] if spec.is_moe else range(0)
+        self.moe_names = [weight_map.hf_moe_names(spec, i) for i in range(spec.num_layers)] if spec.is_moe else []
         self.last_routes: torch.Tensor | None = None
         self._expected = self._expected_tensors()
-        self.padded_vocab = L.sglang_padded_vocab(spec, tp_size)
+        self.padded_vocab = sglang_padded_vocab(spec, tp_size)
         self.q_heads = spec.num_attention_heads // tp_size
         self.kv_heads = max(spec.num_key_value_heads // tp_size, 1)
         self.params: dict[str, torch.Tensor] = {}  # what was received, in the runtime layout (FP8 + scales)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models import layout as L
+from megatron_rl.models import weight_map
 from megatron_rl.models.safetensors_io import HFCheckpoint
 from megatron_rl.models.spec import ModelSpec
 from megatron_rl.rollout.local.decoder import TPDecoder
@@ -105,7 +105,7 @@ class LocalEngine:
         decoder = TPDecoder(spec, tp_size, tp_rank, group, dtype, fp8, max_slots, max_seq_len, device, ep_size)
         params: dict[str, torch.Tensor] = {}
         for name, lay in decoder.layouts.items():
-            decoder.load(name, L.assemble(lay, ckpt.get_slice), params)
+            decoder.load(name, weight_map.assemble(lay, ckpt.get_slice), params)
         decoder.install(params)
         eos = ckpt.config.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

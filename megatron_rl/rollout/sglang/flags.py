@@ -28,7 +28,7 @@ _EP = "--rollout-expert-parallel-size sets it (the expert layout DDMA sends)"
 _NODE = "a replica's server runs on its leader's node, on the GPUs of the replica's ranks"
 _ADDRESS = "the run picks the address of each server it launches (your own servers: --rollout-server-urls)"
 
-# SGLang server arguments the run sets on every server it launches (SGLangServer.launch and build_sglang_engine),
+# SGLang server arguments the run sets on every server it launches (SGLangServer.launch and sglang.build_engine),
 # by field name and CLI alias, and what sets them instead.
 RUN_CONTROLLED = {
     "model_path": _MODEL, "model": _MODEL,

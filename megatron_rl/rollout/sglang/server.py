@@ -5,7 +5,7 @@ Launching uses `python -m sglang.launch_server` in this interpreter's environmen
 command line and environment from explicit inputs (no process is started there, so it is unit-tested on CPU).
 On a machine with CUDA each replica's server gets the GPUs of its generator ranks (`server_gpu_flags`); on a
 machine without CUDA it gets SGLang's torch-native CPU flags (README, "SGLang generators"). Extra server flags
-come from `--sglang-<flag>` on the megatron-rl command line, checked at run setup (`sglang_flags.py`).
+come from `--sglang-<flag>` on the megatron-rl command line, checked at run setup (`rollout/sglang/flags.py`).
 
 With an API key (--sglang-api-key, or env SGLANG_API_KEY) a launched server gets it as SGLang's `--api-key`, and every
 request of `SGLangServer` (one HTTP session) carries `Authorization: Bearer <key>`, which SGLang's middleware checks on

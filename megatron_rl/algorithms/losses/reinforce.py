@@ -18,6 +18,7 @@ import torch
 from megatron_rl.algorithms import checks, ratios
 from megatron_rl.algorithms.aggregation import aggregate
 from megatron_rl.algorithms.gates import token_ratio_mask
+from megatron_rl.algorithms.losses.base import Hyperparameter, Loss, LossInputs
 
 
 def reinforce_loss(
@@ -80,3 +81,46 @@ def cispo_loss(
     weight = ratio.clamp(min=None if eps_low is None else 1 - eps_low, max=1 + eps_high)
     per_token = ratios.weighted_log_likelihood(weight, advantages, logprobs, loss_mask)
     return aggregate(per_token, loss_mask, aggregation, normalizer, constant), ratios.on_valid(indicators, loss_mask)
+
+
+# ---- registry entries --------------------------------------------------------------------------------------------
+
+IS_MASK_LOW = Hyperparameter("is_mask_low", "--is-mask-low", 0.5,
+                             "icepop: tokens whose pi/mu is below this are masked (NeMo-RL's ProRLv2 configuration: "
+                             "0.5)")
+IS_MASK_HIGH = Hyperparameter("is_mask_high", "--is-mask-high", 5.0,
+                              "icepop: tokens whose pi/mu is above this are masked (NeMo-RL's ProRLv2 configuration: "
+                              "5.0)")
+CISPO_EPS_LOW = Hyperparameter("cispo_eps_low", "--cispo-eps-low", None,
+                               "cispo: the weight is clipped below at 1 - this; default none (MiniMax-M1 sets no "
+                               "lower bound)", lambda v: 0 <= v <= 1, "must be in [0, 1]")
+CISPO_EPS_HIGH = Hyperparameter("cispo_eps_high", "--cispo-eps-high", 3.0,
+                                "cispo: the weight is clipped above at 1 + this (MiniMax-M1 tunes it per run; the "
+                                "default caps the weight at 4); without --cispo-eps-low, cispo equals aipo with rho = "
+                                "1 + this", lambda v: v > 0, "must be > 0")
+
+
+def _reinforce(x: LossInputs, p):
+    return reinforce_loss(*x.tensors, **x.aggregation)
+
+
+def _icepop(x: LossInputs, p):
+    return icepop_loss(*x.tensors, p.is_mask_low, p.is_mask_high, **x.aggregation)
+
+
+def _icepop_bounds(p) -> str | None:
+    if not 0 <= p.is_mask_low < 1 < p.is_mask_high:
+        return (f"--is-mask-low and --is-mask-high must satisfy 0 <= --is-mask-low < 1 < --is-mask-high, got "
+                f"{p.is_mask_low} and {p.is_mask_high}")
+    return None
+
+
+def _cispo(x: LossInputs, p):
+    return cispo_loss(*x.tensors, p.cispo_eps_low, p.cispo_eps_high, **x.aggregation)
+
+
+REINFORCE = Loss(_reinforce, (), "no correction: -A log pi")
+ICEPOP = Loss(_icepop, (IS_MASK_LOW, IS_MASK_HIGH),
+              "weight pi/mu, tokens outside [--is-mask-low, --is-mask-high] masked", check=_icepop_bounds)
+CISPO = Loss(_cispo, (CISPO_EPS_LOW, CISPO_EPS_HIGH),
+             "clipped weight clip(pi/mu, 1 - --cispo-eps-low, 1 + --cispo-eps-high) (MiniMax-M1)")

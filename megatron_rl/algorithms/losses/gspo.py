@@ -21,7 +21,8 @@ import torch
 
 from megatron_rl.algorithms import checks, ratios
 from megatron_rl.algorithms.aggregation import aggregate
-from megatron_rl.algorithms.ppo import check_clip, clipped_surrogate
+from megatron_rl.algorithms.losses.base import Loss, LossInputs
+from megatron_rl.algorithms.losses.ppo import CLIP_EPS, CLIP_EPS_HIGH, check_clip, clipped_surrogate
 
 
 def sequence_ratio(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -49,3 +50,12 @@ def gspo_loss(
     token_ratio = sequence_ratio(logprobs, behavior_logprobs, loss_mask)[:, None] * torch.exp(lp - lp.detach())
     per_token, indicators = clipped_surrogate(token_ratio, advantages, 1 - clip_eps, 1 + high)
     return aggregate(per_token, loss_mask, aggregation, normalizer, constant), ratios.on_valid(indicators, loss_mask)
+
+
+# ---- registry entry ----------------------------------------------------------------------------------------------
+
+def _gspo(x: LossInputs, p):
+    return gspo_loss(*x.tensors, p.clip_eps, p.clip_eps_high, **x.aggregation)
+
+
+GSPO = Loss(_gspo, (CLIP_EPS, CLIP_EPS_HIGH), "sequence-level geometric-mean ratio, clipped")

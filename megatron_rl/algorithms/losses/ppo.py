@@ -23,6 +23,7 @@ import torch
 
 from megatron_rl.algorithms import checks, ratios
 from megatron_rl.algorithms.aggregation import aggregate
+from megatron_rl.algorithms.losses.base import Hyperparameter, Loss, LossInputs
 
 
 def clipped_surrogate(
@@ -141,3 +142,46 @@ def decoupled_ppo_loss(
         weight = torch.where(indicators["masked"], torch.zeros_like(weight), weight)
     per_token = surrogate * weight.detach()
     return aggregate(per_token, loss_mask, aggregation, normalizer, constant), ratios.on_valid(indicators, loss_mask)
+
+
+# ---- registry entries --------------------------------------------------------------------------------------------
+
+CLIP_EPS = Hyperparameter("clip_eps", "--ppo-clip-eps", 0.2,
+                          "clip range of ppo, tis and decoupled-ppo: the ratio is clipped to [1 - eps, 1 + "
+                          "--ppo-clip-eps-high]; for gspo the sequence ratio's (GSPO's paper uses 3e-4 and 4e-4)",
+                          lambda v: 0 < v < 1, "must be in (0, 1)")
+CLIP_EPS_HIGH = Hyperparameter("clip_eps_high", "--ppo-clip-eps-high", None,
+                               "upper clip range (DAPO's clip-higher); default --ppo-clip-eps", lambda v: v > 0,
+                               "must be > 0")
+DUAL_CLIP_C = Hyperparameter("dual_clip_c", "--ppo-dual-clip-c", None,
+                             "dual clip of ppo, tis and decoupled-ppo: where A < 0 a token's loss is at most -C A "
+                             "(verl's clip_ratio_c, whose default is 3); C > 1; default off", lambda v: v > 1,
+                             "must be > 1 (it bounds the loss of a negative-advantage token at C |A|, above the "
+                             "clip range)")
+TIS_CLIP = Hyperparameter("tis_clip", "--tis-clip", 2.0,
+                          "tis: the behavior importance weight pi_prox/mu is truncated at this value (slime's "
+                          "--tis-clip, same default)", lambda v: v > 0, "must be > 0")
+BEHAV_IMP_WEIGHT_CAP = Hyperparameter("behav_imp_weight_cap", "--behav-imp-weight-cap", None,
+                                      "decoupled-ppo: tokens whose behavior weight pi_prox/mu exceeds this are "
+                                      "masked (AReaL's name); > 1; default off", lambda v: v > 1, "must be > 1")
+SURROGATE = (CLIP_EPS, CLIP_EPS_HIGH, DUAL_CLIP_C)
+
+
+def _ppo(x: LossInputs, p):
+    return ppo_clip_loss(*x.tensors, p.clip_eps, p.clip_eps_high, p.dual_clip_c, **x.aggregation)
+
+
+def _tis(x: LossInputs, p):
+    return tis_loss(*x.tensors, x.proximal_logprobs, p.tis_clip, p.clip_eps, p.clip_eps_high, p.dual_clip_c,
+                    **x.aggregation)
+
+
+def _decoupled_ppo(x: LossInputs, p):
+    return decoupled_ppo_loss(*x.tensors, x.proximal_logprobs, p.behav_imp_weight_cap, p.clip_eps, p.clip_eps_high,
+                              p.dual_clip_c, **x.aggregation)
+
+
+PPO = Loss(_ppo, SURROGATE, "two-sided clipped surrogate of pi/mu")
+TIS = Loss(_tis, SURROGATE + (TIS_CLIP,),
+           "PPO surrogate times the truncated weight min(pi_prox/mu, --tis-clip) (slime's --use-tis)")
+DECOUPLED_PPO = Loss(_decoupled_ppo, SURROGATE + (BEHAV_IMP_WEIGHT_CAP,), "AReaL's decoupled PPO")

@@ -22,6 +22,7 @@ import torch
 
 from megatron_rl.algorithms import checks, ratios
 from megatron_rl.algorithms.aggregation import aggregate
+from megatron_rl.algorithms.losses.base import Hyperparameter, Loss, LossInputs
 
 
 def _check_rho(rho) -> None:
@@ -70,3 +71,21 @@ def aipo_clamp_loss(
     per_token = -ratio.clamp(max=rho) * advantages
     loss = aggregate(per_token, loss_mask, aggregation, normalizer, constant)
     return loss, ratios.on_valid({"clip_high": ratio.detach() > rho}, loss_mask)
+
+
+# ---- registry entries --------------------------------------------------------------------------------------------
+
+RHO = Hyperparameter("rho", "--aipo-rho", 4.0, "one-sided importance weight clip of aipo and aipo-clamp (paper: 2-10)",
+                     lambda v: v > 0 and math.isfinite(v), "must be a positive finite number")
+
+
+def _aipo(x: LossInputs, p):
+    return aipo_loss(*x.tensors, rho=p.rho, **x.aggregation)
+
+
+def _aipo_clamp(x: LossInputs, p):
+    return aipo_clamp_loss(*x.tensors, rho=p.rho, **x.aggregation)
+
+
+AIPO = Loss(_aipo, (RHO,), "the paper's one-sided clipped importance weight min(pi/mu, rho), held constant")
+AIPO_CLAMP = Loss(_aipo_clamp, (RHO,), "clamp(pi/mu, max=rho) without the stop-gradient (zero gradient above rho)")

@@ -1,6 +1,7 @@
-"""A pool of scoring worker processes that no single item can hang or break.
+"""Scoring in worker processes that no single item can hang or break: the pool, the base of reward functions that
+score on it, and the in-worker time limit.
 
-Why not `concurrent.futures.ProcessPoolExecutor`: it cannot stop one task that runs too long (a sympy
+`WorkerPool`. Why not `concurrent.futures.ProcessPoolExecutor`: it cannot stop one task that runs too long (a sympy
 power tower spends minutes inside C code, where signal-based timeouts never fire), and one worker killed by
 the OS breaks the whole executor. Here the parent holds a deadline per item: an item past its deadline has
 its worker killed and is reported as "timeout"; an item whose worker died is reported as "crashed"; an
@@ -8,6 +9,17 @@ exception inside the function is reported as "error" with its traceback. Each lo
 Workers die with the process that started them, however it dies (SIGKILL included): a rank killed mid-run
 leaves no scoring processes behind. (Strictly, with the thread that started it: a pool belongs to long-lived
 threads, the controller's and the reward stage's.)
+
+`PooledReward`, the base of reward functions that score each sample on a `WorkerPool`: one process per verdict, a
+time limit per sample, and the pool's outcomes turned into statuses. A verdict past its limit is "timeout"; a crashed
+worker or an exception in the scoring code is "scorer-failure" with the error: both are excluded from training,
+never a reward of 0.
+
+`time_limit`, a whole-second limit on code running in a scoring worker's main thread (SIGALRM). Its exception
+derives from BaseException, not Exception: scoring code wraps its work in `except Exception` (math-verify does,
+around every parse and comparison), and would otherwise swallow the alarm and report a verdict it never reached.
+Outside the main thread no signal can be delivered and the limit does nothing; the pool's own deadline still
+applies there.
 """
 
 from __future__ import annotations
@@ -15,11 +27,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing as mp
+import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
+
+from megatron_rl.rewards.types import RewardResult
 
 
 @dataclasses.dataclass
@@ -144,3 +160,61 @@ class WorkerPool:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# The pool's deadline sits this long after the in-worker alarm (`time_limit`): the alarm answers first when
+# it can; the pool kills a worker stuck in C code that no signal interrupts (9^9^9^9).
+KILL_MARGIN_S = 0.5
+
+
+class PooledReward:
+    def __init__(self, num_workers: int, timeout_s: int, warmup: Callable[[], None] | None = None):
+        self.timeout_s = whole_seconds(timeout_s)
+        self.pool = WorkerPool(num_workers, warmup=warmup)
+
+    def _timeout(self, timeout_s: int | None) -> int:
+        return self.timeout_s if timeout_s is None else whole_seconds(timeout_s)
+
+    def _score(self, fn: Callable[..., RewardResult], items: Sequence[tuple], timeout_s: int) -> list[RewardResult]:
+        """`fn(*item)` for every item on the workers; every verdict returns within timeout_s + 1 s."""
+        results = []
+        for o in self.pool.map(fn, items, timeout_s + KILL_MARGIN_S):
+            if o.status == "ok":
+                results.append(o.value)
+            elif o.status == "timeout":
+                results.append(RewardResult(0.0, "timeout", None, o.error))
+            else:
+                results.append(RewardResult(0.0, "scorer-failure", None, f"{o.status}: {o.error.strip()[-500:]}"))
+        return results
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def whole_seconds(timeout_s) -> int:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s != int(timeout_s) \
+            or timeout_s < 1:
+        raise ValueError(f"timeout_s must be a whole number of seconds >= 1 (SIGALRM), got {timeout_s!r}")
+    return int(timeout_s)
+
+
+class TimeLimitExceeded(BaseException):
+    pass
+
+
+def _on_alarm(signum, frame):
+    raise TimeLimitExceeded()
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

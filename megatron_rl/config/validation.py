@@ -1,0 +1,166 @@
+"""The flags checked together, at start, before any work: ranges, pairs that need each other, combinations that
+contradict each other, and defaults that depend on other flags (filled in here). Every error names the flags and
+values (argparse's `parser.error`: exit status 2). The checks that need the model or the world size are the run
+setup's (`config.setup`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from megatron_rl.algorithms import AlgorithmConfig
+from megatron_rl.rewards.shaping import OverlongPenalty
+from megatron_rl.rollout import ENGINE_BACKENDS
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    def positive(flag):
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
+                 "--log-interval",
+                 "--global-batch-size", "--rollout-tensor-parallel-size", "--rollout-num-replicas",
+                 "--n-samples-per-prompt", "--rollout-max-response-len", "--reward-timeout",
+                 "--async-alternate-steps", "--recompute-num-layers", "--lr-wsd-decay-iters",
+                 "--max-position-embeddings", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+                 "--rollout-expert-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+                 "--kv-channels", "--keep-last-n-checkpoints"):
+        positive(flag)
+    if args.use_rollout_routing_replay and args.recompute_granularity == "full" and \
+            args.pipeline_model_parallel_size > 1:
+        parser.error("--use-rollout-routing-replay with --recompute-granularity full needs "
+                     "--pipeline-model-parallel-size 1 (a recomputed layer would replay the routes of a later "
+                     "micro-batch)")
+    if args.moe_aux_loss_coeff < 0:
+        parser.error(f"--moe-aux-loss-coeff must be >= 0, got {args.moe_aux_loss_coeff}")
+    if args.global_batch_size % args.n_samples_per_prompt:
+        parser.error(f"--global-batch-size {args.global_batch_size} is not a multiple of --n-samples-per-prompt "
+                     f"{args.n_samples_per_prompt}")
+    if args.n_samples_per_prompt < 2:
+        parser.error(f"--n-samples-per-prompt must be >= 2 for a group baseline, got {args.n_samples_per_prompt}")
+    validate_lag(args, parser)
+    if args.sft_lr_warmup_iters < 0:
+        parser.error(f"--sft-lr-warmup-iters must be >= 0, got {args.sft_lr_warmup_iters}")
+    if not args.prompt_data and args.eval_size:  # the task's held-out set: distinct problems, as many as asked
+        from megatron_rl.data.tasks.arithmetic import ArithmeticTask
+
+        try:
+            ArithmeticTask(seed=args.seed, min_digits=args.task_min_digits, max_digits=args.task_max_digits,
+                           num_operands=args.task_operands).check_distinct_count(args.eval_size)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.sft_warmup_iters and args.prompt_data and not args.sft_data:
+        parser.error("--sft-warmup-iters with --prompt-data needs --sft-data (conversations to imitate), or drop "
+                     "--sft-warmup-iters")
+    if not args.prompt_data and (args.input_key, args.label_key, args.metadata_key) != ("prompt", "answer", None):
+        parser.error("--input-key, --label-key and --metadata-key name fields of --prompt-data records; the "
+                     "arithmetic task has none (give --prompt-data)")
+    if args.apply_chat_template and not (args.tokenizer or args.load_hf):
+        parser.error("--apply-chat-template needs an HF tokenizer with a chat template (--tokenizer, or --load-hf "
+                     "with its tokenizer files); the character tokenizer has none")
+    if args.system_prompt is not None and not args.apply_chat_template:
+        parser.error("--system-prompt needs --apply-chat-template (a system message is part of a chat)")
+    validate_kl(args, parser)
+    if args.num_query_groups is not None and not args.group_query_attention:
+        parser.error(f"--num-query-groups {args.num_query_groups} needs --group-query-attention (as in Megatron-LM)")
+    if args.group_query_attention and args.num_query_groups is None:
+        parser.error("--group-query-attention needs --num-query-groups")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        parser.error("--sequence-parallel shards over the tensor-parallel group: it needs "
+                     "--tensor-model-parallel-size > 1")
+    if args.recompute_method and args.recompute_granularity != "full":
+        parser.error(f"--recompute-method {args.recompute_method} needs --recompute-granularity full")
+    if (args.recompute_method is None) != (args.recompute_num_layers is None):
+        parser.error("--recompute-method and --recompute-num-layers go together (Megatron-Core needs both)")
+    if args.lr_decay_style == "WSD" and not args.lr_wsd_decay_iters:
+        parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters (the steps of its decay phase)")
+    if args.eval_prompt_data and len(args.eval_prompt_data) % 2:
+        parser.error(f"--eval-prompt-data takes NAME PATH pairs, got {len(args.eval_prompt_data)} value(s)")
+    names = (args.eval_prompt_data or [])[::2]
+    if len(set(names)) != len(names) or "arithmetic" in names and not args.prompt_data:
+        parser.error(f"--eval-prompt-data: set names must be unique (and not 'arithmetic' while the run trains on "
+                     f"the task, whose held-out set has that name), got {names}")
+    if args.eval_n_samples < 1 or args.eval_interval < 0 or args.eval_temperature < 0:
+        parser.error("--eval-n-samples must be >= 1, --eval-interval >= 0 and --eval-temperature >= 0")
+    if args.save_interval and not args.save:
+        parser.error("--save-interval needs --save")
+    if args.keep_last_n_checkpoints is not None and not args.save:
+        parser.error("--keep-last-n-checkpoints needs --save (it deletes old iterations of that directory)")
+    if args.load_hf and args.load_megatron:
+        parser.error("--load-hf and --load-megatron both give the initial weights: pass one")
+    if args.save_hf_interval < 0:
+        parser.error(f"--save-hf-interval must be >= 0, got {args.save_hf_interval}")
+    if args.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
+    validate_reward_shaping(args, parser)
+    if args.rollout_temperature <= 0:
+        parser.error(f"--rollout-temperature must be > 0 for RL sampling, got {args.rollout_temperature}")
+    for backend in ENGINE_BACKENDS.values():  # each refuses its own flags when another backend was chosen
+        backend.validate(args, parser)
+    try:
+        AlgorithmConfig.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def validate_lag(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--async-mode, --max-staleness and --controlled-lag together: fills in their defaults (asynchronous with
+    staleness 1; synchronous with staleness 0; --controlled-lag K: synchronous dispatch, staleness K) and refuses
+    combinations that contradict each other."""
+    lag = args.controlled_lag
+    if lag is not None:
+        if lag < 0:
+            parser.error(f"--controlled-lag must be >= 0, got {lag}")
+        if args.async_mode not in (None, "off"):
+            parser.error(f"--controlled-lag {lag} generates each step's prompts after the latest weights are "
+                         f"published (synchronous dispatch): it cannot run with --async-mode {args.async_mode} "
+                         "(leave --async-mode out)")
+        if args.max_staleness is not None and args.max_staleness < lag:
+            parser.error(f"--controlled-lag {lag} trains rollouts {lag} versions old: --max-staleness (given, or "
+                         f"from --config) must be >= {lag}, got {args.max_staleness}")
+        args.async_mode = "off"
+        args.max_staleness = lag if args.max_staleness is None else args.max_staleness
+        return
+    args.async_mode = args.async_mode or "on"
+    if args.async_mode == "off":
+        args.max_staleness = 0  # the synchronous baseline is on-policy by construction
+    elif args.max_staleness is None:
+        args.max_staleness = 1
+    elif args.max_staleness < 1:
+        parser.error(f"--async-mode {args.async_mode} trains on rollouts one version old: --max-staleness must be "
+                     f">= 1, got {args.max_staleness} (or use --async-mode off)")
+
+
+def validate_reward_shaping(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The overlong penalty's options: used only with --overlong-penalty, defaults filled in, ranges checked."""
+    if not args.overlong_penalty:
+        given = [f for f, v in (("--overlong-buffer-len", args.overlong_buffer_len),
+                                ("--overlong-penalty-factor", args.overlong_penalty_factor)) if v is not None]
+        if given:
+            parser.error(f"{', '.join(given)} need(s) --overlong-penalty")
+        return
+    limit = args.rollout_max_response_len
+    if args.overlong_buffer_len is None:
+        args.overlong_buffer_len = max(limit // 4, 1)
+    if args.overlong_penalty_factor is None:
+        args.overlong_penalty_factor = 1.0
+    try:
+        OverlongPenalty(limit, args.overlong_buffer_len, args.overlong_penalty_factor)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def validate_kl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The KL flags: a coefficient >= 0; --kl-loss-type, --use-kl-in-reward and --ref-load only with a KL penalty.
+    Sets the default --kl-loss-type (k3 in the loss, k1 in the reward)."""
+    if args.kl_coef < 0:
+        parser.error(f"--kl-coef must be >= 0, got {args.kl_coef}")
+    if not args.kl_coef:
+        given = [flag for flag, value in (("--kl-loss-type", args.kl_loss_type), ("--ref-load", args.ref_load),
+                                          ("--use-kl-in-reward", args.use_kl_in_reward)) if value]
+        if given:
+            parser.error(f"{', '.join(given)} need(s) a KL penalty: --kl-coef > 0")
+    if args.kl_loss_type is None:
+        args.kl_loss_type = "k1" if args.use_kl_in_reward else "k3"
