@@ -1,9 +1,14 @@
-"""Helpers shared by the tests (not part of the package)."""
+"""Helpers shared by every test tier (not part of the package); each tier imports them through tests/conftest.py's
+folder, which pytest puts on sys.path."""
+
+import pathlib
 
 import torch
 
 from megatron_rl.models import weight_map
 from megatron_rl.models.spec import ModelSpec
+
+ROOT = str(pathlib.Path(__file__).resolve().parents[1])  # the repository
 
 
 def gather_vocab_parallel(logits: torch.Tensor) -> torch.Tensor:

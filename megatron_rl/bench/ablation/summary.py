@@ -2,7 +2,7 @@
 
 Pure functions of those records, so that every rule the report states (time to the target accuracy, what counts
 as an instability event, which steps the off-policy statistics average over, mean and spread over seeds) is
-tested on hand-made records (tests/test_ablation.py).
+tested on hand-made records (tests/cpu/test_ablation.py).
 """
 
 from __future__ import annotations

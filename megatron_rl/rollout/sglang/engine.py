@@ -427,7 +427,7 @@ class SGLangEngine:
 # Server flags that in-place pauses need. The prefix cache is not flushed at an in-place update (requests keep
 # their KV), so a new request could reuse prefixes cached by old weights. The overlap scheduler processes the
 # batch in flight at an in-place pause after the update, labelling its token (sampled by the old weights) with
-# the new version (found by tests_sglang/test_sglang_engine.py).
+# the new version (found by tests/sglang/test_sglang_engine.py).
 IN_PLACE_SERVER_FLAGS = {"disable_radix_cache": True, "disable_overlap_schedule": True}
 
 

@@ -1,0 +1,244 @@
+"""DDMA on real gloo processes: after a sync every generator rank's runtime tensors are bit-equal to the HF
+weights sliced the SGLang way (FP8: bit-equal to the block-FP8 quantization of that slice), no rank moves
+more bytes than planned, and layouts the generator cannot take fail at planning time.
+
+Trainer ranks hold exactly their Megatron shards (built through `models.weight_map`, which tests/cpu/test_trainer.py
+and tests/cpu/test_megatron_cpu.py check against real Megatron-Core parameters); generator ranks are real
+LocalEngines receiving through `publish`. One 8-process launch runs every layout combination."""
+
+import itertools
+
+import pytest
+import torch
+from helpers import ROOT, mismatched_generator_tensors, random_hf_weights
+
+from megatron_rl.ddma.plan import make_plan, summarize
+from megatron_rl.models import weight_map
+from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
+from megatron_rl.models.spec import get_model_spec
+from megatron_rl.runtime.spawn import run_on_ranks
+
+TINY = get_model_spec("tiny-llama").replace(name="tiny-v200", vocab_size=200)  # FP8: receiver quantizes
+ALIGNED = get_model_spec("tiny-qwen2").replace(name="aligned", hidden_size=256, num_attention_heads=2,
+                                               num_key_value_heads=2, ffn_hidden_size=256, vocab_size=256)
+TRAINERS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2)]
+GENERATORS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+CASES = [(TINY, t, g, False) for t, g in itertools.product(TRAINERS, GENERATORS)] + \
+        [(spec, (2, 2, 1), g, True) for spec in (TINY, ALIGNED) for g in ((2, 1), (1, 2))]
+
+
+def _sync_all_cases(cases):
+    import torch.distributed as dist
+
+    from megatron_rl.ddma.sync import publish
+    from megatron_rl.ddma.transport import TorchDistTransport
+    from megatron_rl.rollout.local.decoder import TPDecoder
+    from megatron_rl.rollout.local.engine import LocalEngine
+
+    rank = dist.get_rank()
+    report = []
+    for case, (spec, (tp, pp, dp), (gtp, replicas), fp8) in enumerate(cases):
+        trainer = TrainerLayout(tp, pp, dp, dtype_bytes=4)
+        generator = GeneratorLayout(gtp, replicas, fp8=fp8, first_rank=trainer.world_size)
+        plan = make_plan(spec, trainer, generator)
+        hf = random_hf_weights(spec, seed=case)
+        transport = TorchDistTransport()
+        result = {"case": case, "rank": rank}
+        if rank < trainer.world_size:
+            my_tp, my_pp = rank % tp, rank // (tp * dp)
+            shards = weight_map.megatron_shards(spec, trainer, my_tp, my_pp)
+            tensors = {n: weight_map.assemble(s, weight_map.slicer(hf)) for n, s in shards.items()}
+            # Every other case the trainer posts its sends in the background (as the RL loop does) and waits later.
+            done = publish(plan, rank, version=case + 1, trainer_tensors=tensors, transport=transport,
+                           bucket_bytes=4096, debug_checksums=True, background=case % 2 == 1)
+            if case % 2 == 1:
+                done.wait()
+        elif rank < trainer.world_size + generator.world_size:
+            j = (rank - generator.first_rank) % gtp
+            engine = LocalEngine(TPDecoder(spec, gtp, j, None, fp8=fp8))
+            publish(plan, rank, version=case + 1, engine=engine, transport=transport, bucket_bytes=4096,
+                    debug_checksums=True)
+            mismatched = mismatched_generator_tensors(engine, spec, hf, gtp, j)
+            result.update(mismatched=mismatched, version=engine.weight_version,
+                          fp8_tensors=sum(t.dtype == torch.float8_e4m3fn for t in engine.decoder.params.values()))
+        result.update(sent=transport.bytes_sent, received=transport.bytes_received,
+                      planned_sent=plan.bytes_sent(rank), planned_received=plan.bytes_received(rank),
+                      buckets=sum(1 for p in plan.pieces if rank in (p.src, p.dst)))
+        report.append(result)
+        dist.barrier()
+    return report
+
+
+def _background_publish():
+    """Trainer rank 0 posts a publication; generator rank 1 starts receiving only after rank 0 says it got
+    control back from `publish`. A publish that waited for its receiver would never say so (rank 1 would time
+    out waiting for the word)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_rl.ddma.sync import publish
+    from megatron_rl.ddma.transport import TorchDistTransport
+    from megatron_rl.rollout.local.decoder import TPDecoder
+    from megatron_rl.rollout.local.engine import LocalEngine
+
+    plan = make_plan(TINY, TrainerLayout(1, 1, 1, dtype_bytes=4), GeneratorLayout(1, 1, first_rank=1))
+    hf = random_hf_weights(TINY, seed=3)
+    posted = torch.zeros(1)
+    if dist.get_rank() == 0:
+        shards = weight_map.megatron_shards(TINY, plan.trainer, 0, 0)
+        tensors = {n: weight_map.assemble(s, weight_map.slicer(hf)) for n, s in shards.items()}
+        transport = TorchDistTransport()
+        pending = publish(plan, 0, version=1, trainer_tensors=tensors, transport=transport, background=True)
+        dist.send(posted + 1, 1, tag=99)
+        pending.wait()
+        return {"sent": transport.bytes_sent, "planned": plan.bytes_sent(0)}
+    engine = LocalEngine(TPDecoder(TINY, 1, 0, None))
+    dist.irecv(posted, 0, tag=99).wait(datetime.timedelta(seconds=60))
+    publish(plan, 1, version=1, engine=engine)
+    return {"posted_first": posted.item() == 1,
+            "equal": all(torch.equal(engine.decoder.params[n], weight_map.assemble(s, weight_map.slicer(hf)))
+                         for n, s in weight_map.sglang_shards(TINY, 1, 0).items())}
+
+
+def test_a_background_publish_returns_before_the_generator_receives():
+    trainer, generator = run_on_ranks(_background_publish, 2)
+    assert generator["posted_first"]
+    assert trainer["sent"] == trainer["planned"] and generator["equal"]
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return run_on_ranks(_sync_all_cases, 8, CASES, timeout_s=600)
+
+
+def _case_id(i):
+    spec, t, g, fp8 = CASES[i]
+    return f"{spec.name}-trainer-tp{t[0]}pp{t[1]}dp{t[2]}-gen-tp{g[0]}x{g[1]}{'-fp8' if fp8 else ''}"
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[_case_id(i) for i in range(len(CASES))])
+def test_generator_weights_equal_sglang_slices_and_bytes_match_plan(reports, case):
+    spec, (tp, pp, dp), (gtp, replicas), fp8 = CASES[case]
+    rows = [r[case] for r in reports]
+    generators = [r for r in rows if "mismatched" in r]
+    assert len(generators) == gtp * replicas
+    for r in generators:
+        assert r["mismatched"] == [] and r["version"] == case + 1
+        if fp8:
+            assert r["fp8_tensors"] == 4 * spec.num_layers
+    checksum_bytes = 8
+    for r in rows:  # every rank moved exactly its planned bytes (plus one 8-byte checksum per bucket)
+        assert r["sent"] - r["planned_sent"] in range(0, checksum_bytes * 1000, checksum_bytes), r
+        assert r["received"] - r["planned_received"] in range(0, checksum_bytes * 1000, checksum_bytes), r
+
+
+def test_fp8_sender_quantizes_aligned_models_and_halves_bytes():
+    trainer = TrainerLayout(2, 2, 1, dtype_bytes=2)
+    dense = make_plan(ALIGNED, trainer, GeneratorLayout(2, 1, first_rank=4))
+    fp8 = make_plan(ALIGNED, trainer, GeneratorLayout(2, 1, fp8=True, first_rank=4))
+    assert len(fp8.quantized_tensors) == 4 * ALIGNED.num_layers
+    linear = lambda plan: sum(p.nbytes for p in plan.pieces if p.dst_tensor.endswith("proj.weight"))  # noqa: E731
+    assert linear(fp8) / linear(dense) == pytest.approx(0.5, abs=0.01)
+    assert not make_plan(TINY, TrainerLayout(2, 2, 1), GeneratorLayout(2, 1, fp8=True, first_rank=4)).quantized_tensors
+
+
+def test_dp_replicas_share_the_sending():
+    plan = make_plan(TINY, TrainerLayout(1, 1, 4, dtype_bytes=4), GeneratorLayout(1, 4, first_rank=4))
+    sent = [plan.bytes_sent(r) for r in range(4)]
+    assert min(sent) > 0 and max(sent) / min(sent) < 1.2
+    stats = summarize(plan)
+    assert stats["max_recv_bytes"] == max(plan.bytes_received(r) for r in range(4, 8))
+
+
+@pytest.mark.parametrize("trainer,generator,message", [
+    (TrainerLayout(1, 1, 1), GeneratorLayout(3, 1, first_rank=1), r"generator TP=3 \(--rollout-tensor-parallel-size"),
+    (TrainerLayout(4, 1, 1), GeneratorLayout(1, 1, first_rank=4), r"trainer TP=4 \(--tensor-model-parallel-size"),
+    (TrainerLayout(2, 1, 1), GeneratorLayout(1, 1, first_rank=1), "generator ranks start at 1, inside"),
+])
+def test_impossible_layouts_fail_at_planning_naming_both(trainer, generator, message):
+    with pytest.raises(ValueError, match=message) as info:
+        make_plan(TINY, trainer, generator)
+    assert "trainer TP=" in str(info.value) and "generator TP=" in str(info.value)
+
+
+def test_mismatched_generator_model_fails_naming_the_field():
+    from megatron_rl.ddma.plan import validate
+
+    with pytest.raises(ValueError, match=r"vocab_size: 200 vs 256"):
+        validate(TINY, TrainerLayout(), GeneratorLayout(first_rank=1), TINY.replace(vocab_size=256))
+
+
+def test_plan_tool_for_405b_meets_the_papers_claims():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan_ddma.py"), "--model", "llama3-405b",
+                        "--trainer-tp", "8", "--trainer-pp", "16", "--trainer-dp", "8", "--rollout-tp", "8",
+                        "--rollout-replicas", "64", "--rollout-fp8", "--inter-node-gbps", "400"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("total_bytes", "max_send_bytes", "max_recv_bytes", "num_transfers", "estimated_seconds"):
+        assert key in out and key in out["baseline"]
+    assert out["estimated_seconds"] < 2.0
+    assert out["busiest_sender_vs_mean"] <= 2.0
+    assert out["busiest_receiver_vs_own_shard"] <= 1.1
+    assert out["baseline"]["estimated_seconds"] > 10 * out["estimated_seconds"]
+    assert out["pipeline_stage_layers"] == [7] + [8] * 14 + [7]
+
+
+def _plan_tool(*args):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan_ddma.py"), *args], capture_output=True,
+                       text=True, timeout=300)
+    return r, (json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None)
+
+
+def test_plan_tool_for_qwen3_235b_sends_each_generator_rank_only_its_experts():
+    from megatron_rl.ddma.plan import piece_nbytes
+    from megatron_rl.models.spec import get_model_spec
+
+    # configs/qwen3-235b-a22b.json's layouts, 2 generator replicas (what a generator rank receives does not
+    # depend on how many there are).
+    tp, ep = 8, 8
+    r, out = _plan_tool("--model", "qwen3-235b-a22b", "--trainer-tp", "4", "--trainer-pp", "8", "--trainer-dp", "8",
+                        "--trainer-ep", "16", "--trainer-etp", "1", "--rollout-tp", str(tp), "--rollout-ep", str(ep),
+                        "--rollout-replicas", "2", "--rollout-fp8", "--report")
+    assert r.returncode == 0, r.stderr
+    assert "every expert whole would be" in r.stdout and "gather-and-broadcast" in r.stdout
+    assert out["pipeline_stage_layers"] == [11] + [12] * 6 + [11]
+    assert out["baseline"]["estimated_seconds"] > 10 * out["estimated_seconds"]
+    full = out["experts"]["full"]
+    # Rollout EP=8 at TP=8: each generator rank holds 128 / 8 = 16 whole experts of each of the 94 layers
+    # (1536 rows: FP8 blocks fit), sent as FP8 with their scales.
+    spec = get_model_spec("qwen3-235b-a22b")
+    h, fe = spec.hidden_size, spec.moe_ffn_hidden_size
+    per_expert = piece_nbytes(2 * fe, h, True, 2) + piece_nbytes(fe, h, True, 2)
+    own = spec.num_experts // ep
+    assert full["sharded_expert_recv_bytes"] == spec.num_layers * own * per_expert
+    assert full["full_expert_bytes"] == spec.num_layers * spec.num_experts * per_expert
+    # Every expert whole against a rank's own: num_experts / (own experts, each split TP / EP ways) = the TP size.
+    assert full["expert_recv_ratio"] == pytest.approx(spec.num_experts / (own / (tp // ep))) == tp
+    assert 1 < full["recv_ratio"] < tp and full["sharded_recv_bytes"] == out["max_recv_bytes"]
+    assert out["experts"]["full_vs_sharded_seconds"] > 5
+    # Without rollout EP each rank holds 192 rows of every expert's gate and up: not whole FP8 blocks, so those
+    # travel in bf16 and a rank receives more.
+    assert out["experts"]["without_rollout_ep"]["max_recv_bytes"] > out["max_recv_bytes"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--rollout-tp", "8", "--rollout-ep", "3"], "--rollout-expert-parallel-size 3 does not divide model "
+                                                  "'qwen3-30b-a3b' num_experts 128"),
+    (["--trainer-tp", "4", "--trainer-dp", "4", "--trainer-ep", "12"],
+     "--expert-model-parallel-size 12 does not divide model 'qwen3-30b-a3b' num_experts 128"),
+])
+def test_plan_tool_names_the_expert_flag_that_does_not_divide_the_experts(flags, message):
+    r, _ = _plan_tool("--model", "qwen3-30b-a3b", *flags)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
