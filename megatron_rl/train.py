@@ -39,7 +39,7 @@ def run(args) -> None:
     setup = build_run_setup(args, int(os.environ.get("WORLD_SIZE", "1")))
     reap_when_gone()  # whatever this rank starts from here on dies with it
     # A generator rank of an SGLang replica computes nothing itself: its server has the replica's GPUs, and DDMA
-    # lands in the rank's host memory, which the server copies from (see README, "SGLang generators").
+    # lands in the rank's host memory, which the server copies from (see docs/sglang.md).
     sglang_rank = args.rollout_backend == "sglang" and int(os.environ.get("RANK", "0")) >= setup.trainer.world_size
     device = select_device("cpu" if sglang_rank else args.device)
     roles = init_roles(setup.trainer.world_size, setup.generator.tensor_parallel_size,

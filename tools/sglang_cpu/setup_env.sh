@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build (or reuse) the real-SGLang CPU environment described in ../../README.md, "SGLang generators".
+# Build (or reuse) the real-SGLang CPU environment described in docs/sglang.md.
 #
 # SGLang's PyPI package pulls a CUDA torch and CUDA kernels; its own CPU backend needs a C++ kernel build
 # that is not on PyPI. This environment instead runs SGLang's torch-native code paths on the CPU torch

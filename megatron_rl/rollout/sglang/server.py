@@ -4,7 +4,7 @@ answers, check that it serves the model and TP size the run expects, and report 
 Launching uses `python -m sglang.launch_server` in this interpreter's environment; `launch_command` builds its
 command line and environment from explicit inputs (no process is started there, so it is unit-tested on CPU).
 On a machine with CUDA each replica's server gets the GPUs of its generator ranks (`server_gpu_flags`); on a
-machine without CUDA it gets SGLang's torch-native CPU flags (README, "SGLang generators"). Extra server flags
+machine without CUDA it gets SGLang's torch-native CPU flags (docs/sglang.md). Extra server flags
 come from `--sglang-<flag>` on the megatron-rl command line, checked at run setup (`rollout/sglang/flags.py`).
 
 With an API key (--sglang-api-key, or env SGLANG_API_KEY) a launched server gets it as SGLang's `--api-key`, and every
