@@ -1,14 +1,21 @@
-"""Token log-probs and entropy from vocab-parallel logits, without gathering the vocabulary.
+"""Token log-probs and entropy from vocab-parallel logits, without gathering the vocabulary, in bounded memory.
 
 Each TP rank holds logits for its vocabulary slice [b, s, V_pad / TP]. Softmax statistics are combined
-with two all-reduces over the TP group (max, then sum of exp), as in Megatron's vocab-parallel cross
+with two all-reduces over the TP group (max, then the sums of exp), as in Megatron's vocab-parallel cross
 entropy. Megatron pads the vocabulary; padded entries are masked to -inf here so that the distribution is
 exactly the model's over its true vocabulary (the generator never samples them).
+
+The logits are read `CHUNK_TOKENS` positions at a time, forward and backward: no fp32 copy of the whole logits
+is made, and nothing logits-sized is saved for the backward but the logits themselves, which the backward reads
+again to recompute the softmax of each chunk. At 8k positions x 32k vocabulary that is three fp32 temporaries of
+one chunk (0.4 GiB at 1,024 positions) instead of four of the whole [8k, 32k] (4 GiB).
 """
 
 from __future__ import annotations
 
 import torch
+
+CHUNK_TOKENS = 1024  # positions of the logits read at once
 
 
 def _tp():
@@ -17,48 +24,92 @@ def _tp():
     return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Set logits of padded vocabulary entries (global index >= vocab_size) to -inf."""
-    _, rank = _tp()
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, start: int | None = None) -> torch.Tensor:
+    """Set logits of padded vocabulary entries (global index >= vocab_size) to -inf; `start` is the global index of
+    this slice's first entry (default: this TP rank's)."""
     local = logits.shape[-1]
-    start = rank * local
+    start = _tp()[1] * local if start is None else start
     if start + local <= vocab_size:
         return logits
     index = torch.arange(start, start + local, device=logits.device)
     return logits.masked_fill(index >= vocab_size, float("-inf"))
 
 
+def _scaled(logits: torch.Tensor, vocab_size: int, temperature: float, start: int) -> torch.Tensor:
+    """fp32 logits / temperature of one chunk, padded vocabulary entries at -inf."""
+    return mask_padded_vocab(logits.float() / temperature, vocab_size, start)
+
+
+def _chunks(b: int, s: int, chunk_tokens: int):
+    for i in range(b):
+        for t in range(0, s, chunk_tokens):
+            yield i, slice(t, min(t + chunk_tokens, s))
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """(log-probs of the targets, entropy) [b, s] from this rank's [b, s, V_pad / TP] logits. Both outputs are the
+    same on every TP rank; each rank's gradient is that of its own vocabulary slice, recomputed chunk by chunk:
+    d logp / d x = onehot - p and d H / d x = -p (x - E_p[x]) for x = logits / temperature."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_size, temperature, chunk_tokens, group, rank):
+        ctx.set_materialize_grads(False)
+        b, s, local = logits.shape
+        start = rank * local
+        shift = torch.empty((b, s), dtype=torch.float32, device=logits.device)
+        for i, t in _chunks(b, s, chunk_tokens):  # the max needs no gradient: logsumexp's does not depend on it
+            shift[i, t] = _scaled(logits[i, t], vocab_size, temperature, start).max(-1).values
+        torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=group)
+        in_range = (targets >= start) & (targets < start + local)
+        local_index = torch.where(in_range, targets - start, torch.zeros_like(targets))
+        sums = torch.zeros((3, b, s), dtype=torch.float32, device=logits.device)  # sum exp, sum exp * x, target x
+        for i, t in _chunks(b, s, chunk_tokens):
+            x = _scaled(logits[i, t], vocab_size, temperature, start)
+            finite = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+            exp = torch.exp(x - shift[i, t, None])
+            sums[0, i, t], sums[1, i, t] = exp.sum(-1), (exp * finite).sum(-1)
+            picked = finite.gather(-1, local_index[i, t, None]).squeeze(-1)
+            sums[2, i, t] = torch.where(in_range[i, t], picked, torch.zeros_like(picked))
+        torch.distributed.all_reduce(sums, group=group)
+        logsumexp = shift + torch.log(sums[0])
+        mean_x = sums[1] / sums[0]
+        ctx.save_for_backward(logits, local_index, in_range, logsumexp, mean_x)
+        ctx.args = vocab_size, temperature, chunk_tokens, start
+        return sums[2] - logsumexp, logsumexp - mean_x
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local_index, in_range, logsumexp, mean_x = ctx.saved_tensors
+        vocab_size, temperature, chunk_tokens, start = ctx.args
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        b, s, _ = logits.shape
+        for i, t in _chunks(b, s, chunk_tokens):
+            x = _scaled(logits[i, t], vocab_size, temperature, start)
+            p = torch.exp(x - logsumexp[i, t, None])
+            g = torch.zeros_like(x)
+            if grad_logprobs is not None:
+                g_lp = grad_logprobs[i, t]
+                g -= p * g_lp[:, None]
+                g.scatter_add_(-1, local_index[i, t, None], torch.where(in_range[i, t], g_lp, 0)[:, None])
+            if grad_entropy is not None:
+                finite = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+                g -= grad_entropy[i, t, None] * p * (finite - mean_x[i, t, None])
+            grad[i, t] = g / temperature
+        return grad, None, None, None, None, None, None
+
+
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                               temperature: float = 1.0, chunk_tokens: int = CHUNK_TOKENS
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `targets` and the entropy of softmax(logits / temperature) over the true vocabulary.
 
-    logits [b, s, V_pad / TP] (this rank's vocabulary slice), targets [b, s] global token ids. Both outputs
-    are [b, s] and differentiable. Temperature divides the logits before the softmax, exactly as the
-    generator did when it sampled: the behavior log-probs the generator reports are in this convention
-    (after temperature, before top-k/top-p truncation).
+    logits [b, s, V_pad / TP] (this rank's vocabulary slice, any float dtype), targets [b, s] global token ids.
+    Both outputs are [b, s] fp32 and differentiable; the entropy's gradient is computed only when something
+    differentiates it. Temperature divides the logits before the softmax, exactly as the generator did when it
+    sampled: the behavior log-probs the generator reports are in this convention (after temperature, before
+    top-k/top-p truncation). `chunk_tokens` positions are read at a time (see the module docstring).
     """
-    # Forward: sum over TP ranks. Backward: identity, since every TP rank holds the same (replicated) loss.
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as all_reduce
-
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     group, rank = _tp()
-    x = mask_padded_vocab(logits.float() / temperature, vocab_size)
-    local = x.shape[-1]
-    start = rank * local
-
-    # Global max (no gradient needed: logsumexp's gradient does not depend on the shift).
-    shift = x.detach().max(dim=-1, keepdim=True).values
-    torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=group)
-    exp = torch.exp(x - shift)
-    finite_x = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
-    sum_exp = all_reduce(exp.sum(-1))
-    sum_exp_x = all_reduce((exp * finite_x).sum(-1))
-    logsumexp = shift.squeeze(-1) + torch.log(sum_exp)
-
-    in_range = (targets >= start) & (targets < start + local)
-    local_index = torch.where(in_range, targets - start, torch.zeros_like(targets))
-    picked = torch.gather(finite_x, -1, local_index.unsqueeze(-1)).squeeze(-1)
-    target_logit = all_reduce(torch.where(in_range, picked, torch.zeros_like(picked)))
-
-    logprobs = target_logit - logsumexp
-    entropy = logsumexp - sum_exp_x / sum_exp
-    return logprobs, entropy
+    return _VocabParallelLogProbs.apply(logits, targets, vocab_size, temperature, chunk_tokens, group, rank)

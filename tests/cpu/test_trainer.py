@@ -83,15 +83,30 @@ def _logprob_rank(tp):
     local = logits.detach().requires_grad_()
     lp, ent = token_logprobs_and_entropy(local[:, :-1], batch.tokens[:, 1:], SPEC.vocab_size, TEMPERATURE)
     (lp.sum() + 0.3 * ent.sum()).backward()
+    # read 3 positions at a time: chunks that end inside rows, a last one shorter than the others
+    chunked = logits.detach().requires_grad_()
+    lp3, ent3 = token_logprobs_and_entropy(chunked[:, :-1], batch.tokens[:, 1:], SPEC.vocab_size, TEMPERATURE,
+                                           chunk_tokens=3)
+    (lp3.sum() + 0.3 * ent3.sum()).backward()
+    # the entropy carries no gradient when nothing differentiates it
+    alone = logits.detach().requires_grad_()
+    lp_only, _ = token_logprobs_and_entropy(alone[:, :-1], batch.tokens[:, 1:], SPEC.vocab_size, TEMPERATURE)
+    lp_only.sum().backward()
     # Reference in the same process: plain log_softmax over the gathered, unpadded vocabulary.
     full = gather_vocab_parallel(logits.detach())[..., : SPEC.vocab_size].requires_grad_()
     ref_all = torch.log_softmax(full[:, :-1] / TEMPERATURE, -1)
     ref_lp = ref_all.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
     ref_ent = -(ref_all.exp() * ref_all).sum(-1)
     (ref_lp.sum() + 0.3 * ref_ent.sum()).backward()
+    full_only = gather_vocab_parallel(logits.detach())[..., : SPEC.vocab_size].requires_grad_()
+    torch.log_softmax(full_only[:, :-1] / TEMPERATURE, -1).gather(-1, batch.tokens[:, 1:, None]).sum().backward()
     grad = gather_vocab_parallel(local.grad)
     out = {"lp": lp.detach(), "ent": ent.detach(), "ref_lp": ref_lp.detach(), "ref_ent": ref_ent.detach(),
            "grad": grad[..., : SPEC.vocab_size], "ref_grad": full.grad, "pad_grad": grad[..., SPEC.vocab_size:],
+           "lp3": lp3.detach(), "ent3": ent3.detach(),
+           "grad3": gather_vocab_parallel(chunked.grad)[..., : SPEC.vocab_size],
+           "grad_lp_only": gather_vocab_parallel(alone.grad)[..., : SPEC.vocab_size],
+           "ref_grad_lp_only": full_only.grad,
            "rank": ps.get_tensor_model_parallel_rank()}
     parallel.destroy()
     return out
@@ -100,8 +115,10 @@ def _logprob_rank(tp):
 def test_vocab_parallel_logprobs_equal_full_log_softmax():
     tp1 = run_on_ranks(_logprob_rank, 1, 1)[0]
     for r in run_on_ranks(_logprob_rank, 2, 2):
-        for key in ("lp", "ent", "grad"):
+        for key in ("lp", "ent", "grad", "grad_lp_only"):
             torch.testing.assert_close(r[key], r["ref_" + key], atol=1e-5, rtol=0, msg=key)
+        for key in ("lp", "ent", "grad"):  # chunking changes no summation within a position: equal to the last bit
+            assert torch.equal(r[key + "3"], r[key]), key
         torch.testing.assert_close(r["lp"], tp1["ref_lp"], atol=1e-5, rtol=0)
         assert (r["pad_grad"] == 0).all()  # padded vocabulary entries get no gradient
 
