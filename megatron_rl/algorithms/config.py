@@ -25,6 +25,8 @@ class AlgorithmConfig:
     kl_in_reward: bool = False  # True: the KL was subtracted from the rewards; the loss only reports it
     entropy_coef: float = 0.0
     temperature: float = 1.0
+    # seq-sum-constant's divisor per sequence (--rollout-max-response-len); None: the batch's padded width
+    seq_sum_constant: float | None = None
 
     def __post_init__(self):
         for flag, value, registry in (("--loss", self.loss, LOSSES), ("--loss-aggregation", self.aggregation,
@@ -69,4 +71,4 @@ class AlgorithmConfig:
         params = {h.name: getattr(args, h.dest) for h in LOSSES[args.loss].hyperparameters}
         return cls(loss=args.loss, loss_params=params, aggregation=args.loss_aggregation, kl_coef=args.kl_coef,
                    kl_estimator=args.kl_loss_type, kl_in_reward=args.use_kl_in_reward, entropy_coef=args.entropy_coef,
-                   temperature=args.rollout_temperature)
+                   temperature=args.rollout_temperature, seq_sum_constant=args.rollout_max_response_len)

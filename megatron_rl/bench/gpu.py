@@ -36,7 +36,7 @@ def _trainer_rank(steps: int) -> dict:
     layout = TrainerLayout(1, 1, 1)
     device = parallel.initialize(layout, spec, device="cuda")
     trainer = PolicyTrainer(build_policy(spec, layout, lr=1e-5, bf16=True, device=device), AlgorithmConfig(),
-                            micro_batch_size=MICRO_BATCH)
+                            batching=MICRO_BATCH)
     g = torch.Generator().manual_seed(0)
     batch = TrainBatch.from_sequences(
         torch.randint(0, spec.vocab_size, (SEQUENCES, PROMPT), generator=g).tolist(),

@@ -59,7 +59,7 @@ def _trainer_rank(hf_dir: str, batch, generator_routes):
     parallel.initialize(layout, SPEC)
     policy = build_policy(SPEC, layout, routing_replay=True,
                           init_weights=lambda m: load_hf_weights(m, SPEC, layout, HFCheckpoint(hf_dir).get_slice))
-    trainer = PolicyTrainer(policy, AlgorithmConfig(loss="aipo", temperature=1.0), micro_batch_size=len(batch))
+    trainer = PolicyTrainer(policy, AlgorithmConfig(loss="aipo", temperature=1.0), batching=len(batch))
     plain = trainer.compute_logprobs(dataclasses.replace(batch, routed_experts=None))
     replayed = trainer.compute_logprobs(dataclasses.replace(batch, routed_experts=generator_routes))
     model = policy.module

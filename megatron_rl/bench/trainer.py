@@ -27,7 +27,7 @@ def _rank(tp: int, quick: bool, steps: int):
     spec = _spec(quick)
     layout = TrainerLayout(tp, 1, dtype_bytes=4)
     parallel.initialize(layout, spec)
-    trainer = PolicyTrainer(build_policy(spec, layout, lr=1e-4), AlgorithmConfig(), micro_batch_size=8)
+    trainer = PolicyTrainer(build_policy(spec, layout, lr=1e-4), AlgorithmConfig(), batching=8)
     g = torch.Generator().manual_seed(0)
     n, prompt, response = 32, 32, 96
     batch = TrainBatch.from_sequences(torch.randint(0, spec.vocab_size, (n, prompt), generator=g).tolist(),

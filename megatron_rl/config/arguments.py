@@ -88,7 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "for every TP/PP layout of a seed; always so on a CPU)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=16)
+    g.add_argument("--micro-batch-size", type=int, default=16,
+                   help="rollouts per micro-batch, each micro-batch padded to its own longest (without "
+                        "--use-dynamic-batch-size)")
+    g.add_argument("--use-dynamic-batch-size", action="store_true",
+                   help="pack each data-parallel rank's rollouts into micro-batches of at most --max-tokens-per-gpu "
+                        "tokens (spread over the ranks balanced by tokens); --micro-batch-size is then unused")
+    g.add_argument("--max-tokens-per-gpu", type=int,
+                   help="with --use-dynamic-batch-size: tokens per packed training micro-batch (at least "
+                        "--seq-length: a rollout is never split)")
+    g.add_argument("--log-probs-max-tokens-per-gpu", type=int,
+                   help="with --use-dynamic-batch-size: tokens per packed micro-batch of the forward-only log-prob "
+                        "passes (reference log-probs); default --max-tokens-per-gpu")
     g.add_argument("--global-batch-size", type=int, default=64,
                    help="rollouts per optimizer step (prompts per step x --n-samples-per-prompt)")
     g.add_argument("--train-iters", type=int, default=40, help="RL optimizer steps")

@@ -199,10 +199,14 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     # the generator backend's own checks; SGLang's: can it serve the model, and the --sglang-<flag> server flags
     server_flags = ENGINE_BACKENDS[getattr(args, "rollout_backend", "local")].check_setup(args, spec)
     check_megatron_config(spec, trainer)
-    per_step = trainer.data_parallel_size * args.micro_batch_size
-    if args.global_batch_size % per_step:
+    if args.use_dynamic_batch_size:
+        if args.global_batch_size < trainer.data_parallel_size:
+            raise ValueError(f"--global-batch-size {args.global_batch_size} is less than the data-parallel size "
+                             f"{trainer.data_parallel_size}: a rank would have no rollout to train on")
+    elif args.global_batch_size % (trainer.data_parallel_size * args.micro_batch_size):
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of the data-parallel size "
-                         f"{trainer.data_parallel_size} x --micro-batch-size {args.micro_batch_size}")
+                         f"{trainer.data_parallel_size} x --micro-batch-size {args.micro_batch_size} (or use "
+                         "--use-dynamic-batch-size)")
     reward_factory(args.reward_fn, args.custom_rm_path)
     eval_files = (getattr(args, "eval_prompt_data", None) or [])[1::2]
     files = [("--prompt-data", args.prompt_data), ("--sft-data", getattr(args, "sft_data", None))]

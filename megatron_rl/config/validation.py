@@ -26,8 +26,19 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                  "--async-alternate-steps", "--recompute-num-layers", "--lr-wsd-decay-iters",
                  "--max-position-embeddings", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
                  "--rollout-expert-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
-                 "--kv-channels", "--keep-last-n-checkpoints"):
+                 "--kv-channels", "--keep-last-n-checkpoints", "--max-tokens-per-gpu",
+                 "--log-probs-max-tokens-per-gpu"):
         positive(flag)
+    if args.use_dynamic_batch_size != (args.max_tokens_per_gpu is not None):
+        parser.error("--use-dynamic-batch-size and --max-tokens-per-gpu go together (packed micro-batches of at "
+                     "most that many tokens)")
+    if args.log_probs_max_tokens_per_gpu is not None and not args.use_dynamic_batch_size:
+        parser.error("--log-probs-max-tokens-per-gpu needs --use-dynamic-batch-size")
+    for flag in ("--max-tokens-per-gpu", "--log-probs-max-tokens-per-gpu"):
+        budget = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if budget is not None and budget < args.seq_length:
+            parser.error(f"{flag} {budget} is less than --seq-length {args.seq_length}: a rollout that long could "
+                         "not be trained (rollouts are never split)")
     if args.use_rollout_routing_replay and args.recompute_granularity == "full" and \
             args.pipeline_model_parallel_size > 1:
         parser.error("--use-rollout-routing-replay with --recompute-granularity full needs "

@@ -37,6 +37,8 @@ def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: 
                    moe_grouped_gemm=layout.transformer_engine,
                    expert_model_parallel_size=layout.expert_model_parallel_size,
                    expert_tensor_parallel_size=layout.expert_tp)
+    else:  # unused without experts; Megatron-Core refuses its default (allgather) with variable_seq_lengths
+        moe = dict(moe_token_dispatcher_type="alltoall")
     kwargs = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -69,6 +71,8 @@ def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: 
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,
+        # micro-batches are as long as their own rows (or packed by a token budget): stages send shapes first
+        variable_seq_lengths=layout.pipeline_parallel_size > 1,
         use_cpu_initialization=use_cpu_initialization,
         init_method_std=0.02,
         sequence_parallel=layout.sequence_parallel,

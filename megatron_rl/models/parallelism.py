@@ -191,6 +191,10 @@ class TrainerLayout:
         if self.moe_token_dispatcher_type not in MOE_TOKEN_DISPATCHERS:
             raise ValueError(f"--moe-token-dispatcher-type {self.moe_token_dispatcher_type!r}: choose one of "
                              f"{MOE_TOKEN_DISPATCHERS}")
+        if spec.is_moe and self.moe_token_dispatcher_type == "allgather" and self.pipeline_parallel_size > 1:
+            raise ValueError("--moe-token-dispatcher-type allgather cannot run with --pipeline-model-parallel-size > 1:"
+                             " micro-batches have their own lengths, which Megatron-Core's allgather dispatcher does "
+                             "not support; use alltoall")
         validate_tp(spec, self.tensor_parallel_size, "trainer", allow_kv_replication=False)
         validate_experts(spec, self.expert_model_parallel_size, self.expert_tp, "--expert-model-parallel-size",
                           "--expert-tensor-parallel-size")

@@ -1,4 +1,4 @@
-"""The trainer's input: scored rollouts packed as padded tensors, with their advantages."""
+"""The trainer's input: scored rollouts as right-padded tensors, with their lengths and advantages."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # [N, L-1] the reference policy's log-probs, for the KL penalty
     # [N, L, num_layers, topk] int16: the experts the generator routed each token to (rollout routing replay)
     routed_experts: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None  # [N] long: prompt + response tokens of each row (None: the full width)
+
+    @property
+    def seq_lengths(self) -> torch.Tensor:
+        """[N] real tokens of each row."""
+        if self.lengths is not None:
+            return self.lengths
+        return torch.full((len(self),), self.tokens.shape[1], dtype=torch.long)
 
     @classmethod
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -65,7 +73,8 @@ class TrainBatch:
             torch.tensor([m for ms in response_masks for m in ms], dtype=torch.bool)
         blp = torch.zeros((n, length - 1), dtype=torch.float32)
         blp[resp_rows, resp_cols] = torch.tensor([v for lp in behavior_logprobs for v in lp], dtype=torch.float32)
-        return cls(tokens, mask, blp, torch.tensor(advantages, dtype=torch.float32))
+        return cls(tokens, mask, blp, torch.tensor(advantages, dtype=torch.float32),
+                   lengths=prompt_len + response_len)
 
     def with_routes(self, routes: Sequence[torch.Tensor | Sequence], lengths: Sequence[int]) -> TrainBatch:
         """This batch with each row's recorded routes: `routes[i]` is [positions, layers, topk] expert ids for
@@ -100,10 +109,12 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def rows(self, index: slice) -> TrainBatch:
+    def rows(self, index: slice | torch.Tensor) -> TrainBatch:
+        def take(t):
+            return None if t is None else t[index]
         return TrainBatch(self.tokens[index], self.loss_mask[index], self.behavior_logprobs[index],
-                          self.advantages[index], None if self.ref_logprobs is None else self.ref_logprobs[index],
-                          None if self.routed_experts is None else self.routed_experts[index])
+                          self.advantages[index], take(self.ref_logprobs), take(self.routed_experts),
+                          take(self.lengths))
 
     def padded(self, multiple: int) -> TrainBatch:
         """The same batch right-padded to a sequence length that is a multiple of `multiple` (padding is masked)."""
@@ -119,14 +130,15 @@ class TrainBatch:
             n, _, layers, topk = routes.shape
             routes = torch.cat([routes, torch.arange(topk, dtype=routes.dtype).expand(n, extra, layers, topk)], 1)
         return TrainBatch(pad(self.tokens), pad(self.loss_mask), pad(self.behavior_logprobs), self.advantages,
-                          pad(self.ref_logprobs), routes)
+                          pad(self.ref_logprobs), routes, self.lengths)
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """The same batch on `device` (the trainer's): every tensor moved, none copied when already there."""
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
         return TrainBatch(move(self.tokens), move(self.loss_mask), move(self.behavior_logprobs),
-                          move(self.advantages), move(self.ref_logprobs), move(self.routed_experts))
+                          move(self.advantages), move(self.ref_logprobs), move(self.routed_experts),
+                          move(self.lengths))
 
     @classmethod
     def from_groups(cls, groups: list[list], advantage_estimator: str, mask_truncated: bool = False,

@@ -32,6 +32,7 @@ from megatron_rl.trainer.export import ModelDescription, save_hf
 class TrainerExecutor:
     def __init__(self, setup: RunSetup, roles: Roles):
         from megatron_rl.trainer import parallel
+        from megatron_rl.trainer.packing import MicroBatching
         from megatron_rl.trainer.policy import build_policy
         from megatron_rl.trainer.train_step import PolicyTrainer, build_scheduler
 
@@ -59,7 +60,8 @@ class TrainerExecutor:
         self.rl_algo = AlgorithmConfig.from_args(args)
         self.sft_algo = AlgorithmConfig(loss="sft")
         self.reference = self._build_reference(policy)
-        self.trainer = PolicyTrainer(policy, self.rl_algo, args.micro_batch_size, self.scheduler, self.reference)
+        batching = MicroBatching(args.micro_batch_size, args.max_tokens_per_gpu, args.log_probs_max_tokens_per_gpu)
+        self.trainer = PolicyTrainer(policy, self.rl_algo, batching, self.scheduler, self.reference)
         self.description = ModelDescription(spec, layout, torch.bfloat16 if args.bf16 else torch.float32,
                                             setup.tokenizer, model_directory(args))
         self.plan = setup.plan()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_rl.models.megatron_config import transformer_config
 from megatron_rl.models.parallelism import TrainerLayout
 from megatron_rl.models.spec import ModelSpec
-from megatron_rl.trainer import routing_replay
+from megatron_rl.trainer import packing, routing_replay
 from megatron_rl.trainer.model import build_gpt_model
 
 
@@ -116,21 +116,19 @@ def run_microbatches(
     *,
     forward_only: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run forward (and backward) over equal-shape micro-batches with Megatron's schedule.
+    """Run forward (and backward) over micro-batches with Megatron's schedule.
 
     `policy`: the policy (its DDP model runs), or a bare model shard of the same layout run forward-only (the
-    frozen reference policy). Each micro-batch holds `input_ids` [b, s] and whatever `loss_fn` needs.
-    `loss_fn(logits, mb)` gets this rank's vocab-parallel logits [b, s, V/TP] on the last pipeline stage and
-    returns (loss, metrics) with `loss` normalized globally (see the module docstring). Returns the metrics of
-    each micro-batch on the last stage (empty elsewhere).
+    frozen reference policy). Each micro-batch holds `tokens` [b, s] and whatever `loss_fn` needs; a packed one
+    (`trainer.packing`) also its positions and sequence boundaries. Shapes may differ between micro-batches (the
+    pipeline then sends each activation's shape first: `variable_seq_lengths`). `loss_fn(logits, mb)` gets this
+    rank's vocab-parallel logits [b, s, V/TP] on the last pipeline stage and returns (loss, metrics) with `loss`
+    normalized globally (see the module docstring). Returns the metrics of each micro-batch on the last stage
+    (empty elsewhere).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    shapes = {tuple(mb["input_ids"].shape) for mb in microbatches}
-    if len(shapes) != 1:
-        raise ValueError(f"micro-batches must share one shape for the pipeline schedule, got {sorted(shapes)}")
-    (mbs, seq_length), = shapes
     num_mb = len(microbatches)
     scale = num_mb * ps.get_data_parallel_world_size()
     if any("routed_experts" in mb for mb in microbatches) and not all("routed_experts" in mb for mb in microbatches):
@@ -138,11 +136,9 @@ def run_microbatches(
 
     def forward_step(data_iterator: Iterable, model):
         mb = next(data_iterator)
-        ids = mb["input_ids"]
-        position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         if "routed_experts" in mb:  # rollout routing replay: this forward uses the generator's experts
             routing_replay.replay(model, mb["routed_experts"], model.config.sequence_parallel)
-        logits = model(ids, position_ids, None)
+        logits = packing.model_forward(model, mb)
 
         def loss_func(output):
             loss, metrics = loss_fn(output, mb)
@@ -157,8 +153,8 @@ def run_microbatches(
             data_iterator=iter(microbatches),
             model=[model],
             num_microbatches=num_mb,
-            seq_length=seq_length,
-            micro_batch_size=mbs,
+            seq_length=max(mb["tokens"].shape[1] for mb in microbatches),
+            micro_batch_size=max(mb["tokens"].shape[0] for mb in microbatches),
             forward_only=forward_only,
         )
     finally:
@@ -169,14 +165,14 @@ def run_microbatches(
 @torch.no_grad()
 def forward_logprobs(policy: Policy | torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], vocab_size: int,
                      temperature: float) -> list[torch.Tensor]:
-    """Log-probs of each micro-batch's tokens[:, 1:] ([b, s-1], temperature-scaled as in training) under `policy`
-    (the policy, or the frozen reference model), forward-only through Megatron's schedule: one tensor per
-    micro-batch on the last pipeline stage, none elsewhere."""
+    """Log-probs of each micro-batch's next tokens as rows ([rows, width], `packing.rows_view`; temperature-scaled
+    as in training) under `policy` (the policy, or the frozen reference model), forward-only through Megatron's
+    schedule: one tensor per micro-batch on the last pipeline stage, none elsewhere."""
     from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
 
     def fn(logits, mb):
         lp, _ = token_logprobs_and_entropy(logits[:, :-1], mb["tokens"][:, 1:], vocab_size, temperature)
-        return logits.sum() * 0, {"logprobs": lp}
+        return logits.sum() * 0, {"logprobs": packing.rows_view(lp, mb)}
 
     return [out["logprobs"] for out in run_microbatches(policy, microbatches, fn, forward_only=True)]
 

@@ -1,9 +1,9 @@
 """One policy-gradient step of the Megatron-Core policy on a batch of scored rollouts.
 
 The whole global batch is given to every trainer rank (it is small: token ids and floats); each rank takes
-its data-parallel share, cuts it into micro-batches of equal shape, and runs Megatron's schedule. The loss
-is normalized by the global count of the chosen aggregation (valid tokens, or sequences), so gradients are
-the same for any TP / PP / DP layout and any micro-batch size.
+its data-parallel share as micro-batches (`trainer.packing`: rows padded to their own longest, or packed by a
+token budget) and runs Megatron's schedule. The loss is normalized by the global count of the chosen aggregation
+(valid tokens, or sequences), so gradients are the same for any TP / PP / DP layout and any micro-batching.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_rl import algorithms
 from megatron_rl.algorithms import AlgorithmConfig
+from megatron_rl.trainer import packing
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
 from megatron_rl.trainer.policy import Policy, forward_logprobs, moe_aux_loss, optimizer_step, run_microbatches
@@ -27,11 +28,11 @@ def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch
                 normalizer: float) -> tuple[torch.Tensor, dict[str, Any]]:
     """The loss of one micro-batch (already divided by the global normalizer) and its raw statistics, among them
     how many valid tokens each of the loss's indicators (clipped, masked, ...) marked."""
-    targets = mb["tokens"][:, 1:]
-    logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1], targets, vocab_size, algo.temperature)
+    logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1], mb["tokens"][:, 1:], vocab_size, algo.temperature)
+    logprobs, entropy = packing.rows_view(logprobs, mb), packing.rows_view(entropy, mb)
     mask, blp = mb["loss_mask"], mb["behavior_logprobs"]
-    # The batch's own width, not the sequence-parallel padding's: the seq-sum-constant divisor is the same either way.
-    aggregation = dict(aggregation=algo.aggregation, normalizer=normalizer, constant=float(mb["width"]))
+    constant = algo.seq_sum_constant if algo.seq_sum_constant is not None else mb["batch_width"]
+    aggregation = dict(aggregation=algo.aggregation, normalizer=normalizer, constant=float(constant))
     loss, indicators = algorithms.LOSSES[algo.loss].compute(
         algorithms.LossInputs(logprobs, blp, mb["advantages"], mask, aggregation), algo.params)
     stats: dict[str, Any] = {"pg_loss": loss.detach(),
@@ -47,45 +48,39 @@ def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch
     ent = algorithms.aggregate(entropy, mask, **aggregation)
     if algo.entropy_coef:
         loss = loss - algo.entropy_coef * ent
-    stats.update(entropy=ent.detach(), loss=loss.detach(),
+    stats.update(entropy=ent.detach(), loss=loss.detach(), model_tokens=mb["tokens"].numel(),
                  logprobs=logprobs.detach()[mask], behavior_logprobs=blp[mask])
     return loss, stats
 
 
 class PolicyTrainer:
-    """Trains the policy with an RL loss. Every trainer rank calls `train_step` with the same batch. With a KL
+    """Trains the policy with an RL loss. Every trainer rank calls `train_step` with the same batch. `batching`:
+    how the batch becomes micro-batches (a `packing.MicroBatching`, or a number of rows per micro-batch). With a KL
     penalty (`algo.kl_coef`), `reference` is the frozen reference model whose log-probs it needs."""
 
-    def __init__(self, policy: Policy, algo: AlgorithmConfig, micro_batch_size: int = 1, scheduler=None,
-                 reference: ReferenceModel | None = None):
-        self.policy, self.algo, self.micro_batch_size, self.scheduler = policy, algo, micro_batch_size, scheduler
+    def __init__(self, policy: Policy, algo: AlgorithmConfig, batching: packing.MicroBatching | int = 1,
+                 scheduler=None, reference: ReferenceModel | None = None):
+        if isinstance(batching, int):
+            batching = packing.MicroBatching(micro_batch_size=batching)
+        if batching.dynamic and policy.layout.transformer_impl == "local" and policy.spec.sliding_window:
+            raise ValueError(f"--use-dynamic-batch-size: model {policy.spec.name!r} has sliding-window attention, "
+                             "which the local spec cannot restrict to packed sequences; use --transformer-impl "
+                             "transformer_engine or a fixed --micro-batch-size")
+        self.policy, self.algo, self.batching, self.scheduler = policy, algo, batching, scheduler
         self.reference = reference
         self.step = 0
 
-    def _microbatches(self, batch: TrainBatch) -> list[dict[str, torch.Tensor]]:
+    def _microbatches(self, batch: TrainBatch, forward_only: bool = False) -> list[dict[str, Any]]:
+        """This rank's micro-batches of `batch`, on the policy's device."""
         from megatron.core import parallel_state as ps
 
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        n, mbs = len(batch), self.micro_batch_size
-        if n % (dp * mbs):
-            raise ValueError(f"global batch of {n} rollouts is not divisible by data-parallel size {dp} x "
-                             f"--micro-batch-size {mbs}")
-        share = n // dp
-        local = batch.rows(slice(dp_rank * share, (dp_rank + 1) * share))
-        if self.policy.config.sequence_parallel:  # Megatron splits the sequence over the TP ranks
-            local = local.padded(ps.get_tensor_model_parallel_world_size())
-        out = []
-        for i in range(0, share, mbs):
-            part = local.rows(slice(i, i + mbs)).to(self.policy.device)
-            mb = {"tokens": part.tokens, "input_ids": part.tokens, "loss_mask": part.loss_mask,
-                  "behavior_logprobs": part.behavior_logprobs, "advantages": part.advantages,
-                  "width": batch.tokens.shape[1] - 1}
-            if part.ref_logprobs is not None:
-                mb["ref_logprobs"] = part.ref_logprobs
-            if part.routed_experts is not None:
-                mb["routed_experts"] = part.routed_experts
-            out.append(mb)
-        return out
+        multiple = ps.get_tensor_model_parallel_world_size() if self.policy.config.sequence_parallel else 1
+        parts = packing.microbatches(batch, self.batching, ps.get_data_parallel_world_size(),
+                                     ps.get_data_parallel_rank(), multiple, forward_only,
+                                     thd=self.policy.layout.transformer_impl == "transformer_engine")
+        device = self.policy.device
+        return [{**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()},
+                 "batch_width": batch.tokens.shape[1] - 1} for mb in parts]
 
     def train_step(self, batch: TrainBatch, before_update: Callable[[], None] | None = None) -> dict[str, float]:
         """One optimizer step on `batch`; returns the same metrics dict on every trainer rank. `before_update`
@@ -138,7 +133,8 @@ class PolicyTrainer:
         names = sorted(stats[0]["indicator_counts"])  # the same on every rank: the loss and its config decide
         scalars = torch.tensor([sum(float(s[k]) for s in stats) if any(k in s for s in stats) else 0.0
                                 for k in ("loss", "pg_loss", "entropy", "kl_ref")] +
-                               [sum(float(s["indicator_counts"][k]) for s in stats) for k in names],
+                               [sum(float(s["indicator_counts"][k]) for s in stats) for k in names] +
+                               [sum(s["model_tokens"] for s in stats)],
                                dtype=torch.float64, device=self.policy.device)
         dist.all_reduce(scalars, group=group)  # each micro-batch's value is already a share of the global mean
         lp = torch.cat([s["logprobs"] for s in stats]).cpu()  # gathered as Python objects: through the host
@@ -152,7 +148,8 @@ class PolicyTrainer:
         if self.algo.kl_coef:
             out["kl_ref"] = scalars[3].item()
         valid_tokens = max(lp.numel(), 1)  # every rank's valid tokens, gathered
-        out.update({f"{name}_fraction": count.item() / valid_tokens for name, count in zip(names, scalars[4:])})
+        out.update({f"{name}_fraction": count.item() / valid_tokens for name, count in zip(names, scalars[4:-1])})
+        out["model_tokens"] = int(scalars[-1].item())  # what the model ran on: real tokens and padding
         out.update(algorithms.offpolicy_diagnostics(lp, blp, mask))
         return out
 
@@ -162,18 +159,23 @@ class PolicyTrainer:
         [N, L-1], on every trainer rank (on the host: gathered as Python objects)."""
         from megatron.core import parallel_state as ps
 
-        microbatches = self._microbatches(batch)
+        microbatches = self._microbatches(batch, forward_only=True)
         if reference:
             if self.reference is None:
                 raise ValueError("reference log-probs need a reference model (--kl-coef), and the trainer has none")
             out = self.reference.logprobs(microbatches, self.algo.temperature)
         else:
             out = forward_logprobs(self.policy, microbatches, self.policy.spec.vocab_size, self.algo.temperature)
-        local = torch.cat(out).cpu() if out else None
+        local = [(mb["rows"].cpu(), lp.cpu()) for mb, lp in zip(microbatches, out) if not mb.get("filler")] \
+            if out else None
         local = _share_from_last_stage(local)
         gathered: list[Any] = [None] * ps.get_data_parallel_world_size()
         dist.all_gather_object(gathered, local, group=ps.get_data_parallel_group())
-        return torch.cat(gathered)[:, :batch.tokens.shape[1] - 1]  # without the sequence-parallel padding
+        width = batch.tokens.shape[1] - 1
+        result = torch.zeros((len(batch), width), dtype=torch.float32)
+        for rows, lp in (part for rank in gathered for part in rank):
+            result[rows, :min(width, lp.shape[1])] = lp[:, :width]  # without any sequence-parallel padding
+        return result
 
 
 def _share_from_last_stage(obj):

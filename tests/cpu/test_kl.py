@@ -37,7 +37,7 @@ def _trainer(tp, pp, seed_weights=0, kl_coef=0.1, kl_estimator="k3"):
                                                                  random_hf_weights(SPEC, seed=seed_weights)))
     algo = AlgorithmConfig(loss="aipo", loss_params={"rho": 2.0}, temperature=TEMPERATURE, kl_coef=kl_coef,
                            kl_estimator=kl_estimator)
-    return PolicyTrainer(policy, algo, micro_batch_size=1, reference=ReferenceModel(policy))
+    return PolicyTrainer(policy, algo, batching=1, reference=ReferenceModel(policy))
 
 
 def _write_hf_dir(directory, seed):
@@ -66,7 +66,7 @@ def _kl_gradient_rank():
         -1, batch.tokens[:, 1:, None]).squeeze(-1)
     ref = logp + 0.5 * torch.randn(logp.shape, generator=g)  # a reference near the policy, as in training
     mb = {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
-          "behavior_logprobs": batch.behavior_logprobs, "ref_logprobs": ref, "width": batch.tokens.shape[1] - 1}
+          "behavior_logprobs": batch.behavior_logprobs, "ref_logprobs": ref, "batch_width": batch.tokens.shape[1] - 1}
     normalizer = float(batch.loss_mask.sum())
     out = {}
     for name, algo in [("none", AlgorithmConfig(temperature=TEMPERATURE))] + [

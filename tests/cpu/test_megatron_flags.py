@@ -29,7 +29,7 @@ def _step_under(recompute: dict) -> dict[str, torch.Tensor]:
     parallel.initialize(layout, SPEC)
     policy = build_policy(SPEC, layout, lr=1e-3, init_weights=lambda m: load_hf_weights(
         m, SPEC, layout, random_hf_weights(SPEC, seed=3)))
-    trainer = PolicyTrainer(policy, AlgorithmConfig(loss="aipo"), micro_batch_size=2)
+    trainer = PolicyTrainer(policy, AlgorithmConfig(loss="aipo"), batching=2)
     g = torch.Generator().manual_seed(0)
     batch = TrainBatch.from_sequences([torch.randint(0, SPEC.vocab_size, (4,), generator=g).tolist()] * 2,
                                       [torch.randint(0, SPEC.vocab_size, (6,), generator=g).tolist()] * 2,

@@ -110,7 +110,7 @@ def _train(hf_dir, ep, advantages, coeff, optimizer="adam", lr=1e-3, export=None
         policy = build_policy(spec, layout, lr=lr, optimizer=optimizer, clip_grad=0.0, adam_eps=1e-4,
                               moe_aux_loss_coeff=coeff, init_weights=init)
         algo = AlgorithmConfig(loss="aipo", loss_params={"rho": 2.0}, temperature=0.7)
-        trainer = PolicyTrainer(policy, algo, micro_batch_size=1)
+        trainer = PolicyTrainer(policy, algo, batching=1)
         if hf_dir is None:
             load_trainer_checkpoint(policy, resume)
             metrics = trainer.train_step(_batch(SECOND))
@@ -233,15 +233,16 @@ def test_a_step_at_ep2_equals_the_step_at_ep1(launched):
     assert (no_aux[router] - ep2[router]).abs().max() > 1e-5
 
 
-def _hf_load_balancing(model, tokens):
-    """Megatron-Core's "aux_loss" of each micro-batch (one padded row of `tokens`), from the HF model's router logits:
-    E * sum_i f_i P_i per layer, f_i the fraction of the row's token-choices routed to expert i, P_i the mean router
-    probability of expert i. Returns [rows, layers] (differentiable)."""
+def _hf_load_balancing(model, batch):
+    """Megatron-Core's "aux_loss" of each micro-batch (one row of `batch`), from the HF model's router logits over
+    the row's real tokens (padding is left out): E * sum_i f_i P_i per layer, f_i the fraction of the row's
+    token-choices routed to expert i, P_i the mean router probability of expert i. Returns [rows, layers]
+    (differentiable)."""
     spec = SPECS[TRAIN]
     out = []
-    for row in tokens:
+    for row, length in zip(batch.tokens, batch.seq_lengths.tolist()):
         per_layer = []
-        for logits in model(row[None], output_router_logits=True).router_logits:
+        for logits in model(row[None, :length], output_router_logits=True).router_logits:
             scores = torch.softmax(logits.float(), dim=-1)  # [T, E]
             chosen = torch.zeros_like(scores).scatter(1, scores.topk(spec.moe_router_topk, dim=1).indices, 1.0)
             tokens_per_expert, n = chosen.sum(0), scores.shape[0]
@@ -256,9 +257,8 @@ def test_the_load_balancing_loss_has_megatron_lms_scale(models, launched):
     summed over layers) are those of the formula on the HF model's routers: whatever the micro-batches and DP ranks."""
     model = models[TRAIN][1]
     ranks = launched["ranks"]
-    tokens = _batch([0.0] * 4).tokens
     model.zero_grad()
-    aux = _hf_load_balancing(model, tokens)
+    aux = _hf_load_balancing(model, _batch([0.0] * 4))
     assert ranks[0]["ep2"]["metrics"]["moe_aux_loss"] == pytest.approx(aux.mean().item(), rel=1e-5)
     (SGD_AUX_COEFF * aux.sum(1).mean()).backward()
     before = load_file(os.path.join(models[TRAIN][0], "model.safetensors"))

@@ -79,7 +79,7 @@ def _replay_rank(spec, hf_dir, routes_other, pp):
     parallel.initialize(layout, spec)
     policy = build_policy(spec, layout, routing_replay=True,
                           init_weights=lambda m: load_hf_weights(m, spec, layout, HFCheckpoint(hf_dir).get_slice))
-    trainer = PolicyTrainer(policy, AlgorithmConfig(loss="aipo", temperature=TEMPERATURE), micro_batch_size=2)
+    trainer = PolicyTrainer(policy, AlgorithmConfig(loss="aipo", temperature=TEMPERATURE), batching=2)
     batch = _batch(spec)
     own = trainer.compute_logprobs(batch)
     replayed_other = trainer.compute_logprobs(dataclasses.replace(batch, routed_experts=routes_other))

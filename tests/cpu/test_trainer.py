@@ -50,7 +50,7 @@ def _setup(tp, pp, lr=1e-3, seed_weights=0):
                           init_weights=lambda m: load_hf_weights(m, SPEC, layout,
                                                                  random_hf_weights(SPEC, seed=seed_weights)))
     algo = AlgorithmConfig(loss="aipo", loss_params={"rho": 2.0}, temperature=TEMPERATURE)
-    return PolicyTrainer(policy, algo, micro_batch_size=1)
+    return PolicyTrainer(policy, algo, batching=1)
 
 
 def _params(trainer):

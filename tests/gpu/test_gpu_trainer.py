@@ -32,7 +32,7 @@ def _step(device: str, bf16: bool):
                                       (-torch.rand(8, 20, generator=g) * 3).tolist(),
                                       torch.randn(8, generator=g).tolist())
     before = {n: p.detach().float().cpu().clone() for n, p in policy.module.named_parameters()}
-    metrics = PolicyTrainer(policy, AlgorithmConfig(), micro_batch_size=4).train_step(batch)
+    metrics = PolicyTrainer(policy, AlgorithmConfig(), batching=4).train_step(batch)
     update = torch.cat([(p.detach().float().cpu() - before[n]).flatten() for n, p in policy.module.named_parameters()])
     tensors = {f"param {n}": p for n, p in policy.module.named_parameters()}
     tensors.update({f"buffer {n}": b for n, b in policy.module.named_buffers()})

@@ -17,7 +17,10 @@ from megatron_rl.runtime.spawn import free_port
 
 SMALL = ["--sft-warmup-iters", "2", "--train-iters", "12", "--eval-size", "8", "--global-batch-size", "16",
          "--micro-batch-size", "8", "--rollout-max-response-len", "4", "--reward-num-workers", "1",
-         "--keep-uniform-groups", "--max-oversample", "2"]
+         "--keep-uniform-groups", "--max-oversample", "2",
+         # The SGLang server's threads share this machine's 2 cores with the ranks: a verdict that waits past the
+         # default 5 s is excluded as an infrastructure failure (CI once lost 2 of a step's 16 that way).
+         "--reward-timeout", "60"]
 
 
 def _rows(path):
@@ -43,7 +46,9 @@ def test_tiny_run_on_sglang_survives_a_killed_server(tmp_path):
     assert metrics[-1]["rollout"]["generator_restarts"] == 1
     rollouts = [r for r in _rows(out / "rollouts.jsonl") if r["event"] != "dispatched"]
     keys = [(r["prompt_id"], r["sample_index"]) for r in rollouts]
-    assert len(keys) == len(set(keys)) and sum(r["outcome"] == "trained" for r in rollouts) == 16 * 12
+    not_trained = [(r["prompt_id"], r["sample_index"], r["outcome"], r["reward_status"]) for r in rollouts
+                   if r["outcome"] != "trained"]
+    assert len(keys) == len(set(keys)) and len(rollouts) - len(not_trained) == 16 * 12, not_trained
     assert all(len(r["versions"]) == r["response_tokens"] for r in rollouts)
     assert json.loads((out / "eval.json").read_text())["prompts_dispatched_more_than_once"] == 0
     assert "SGLang server" in log.read_text() and "restart 1/3" in log.read_text()
