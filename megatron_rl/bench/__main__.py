@@ -1,5 +1,6 @@
-"""python -m megatron_rl.bench {async,ddma,engine,trainer,reward,r3,fp8,all} [--quick]: one JSON object per benchmark,
-and as the last line one object with all of them (`all` runs every benchmark but fp8 and gpu, which need a GPU).
+"""python -m megatron_rl.bench {async,ddma,engine,trainer,packing,reward,r3,fp8,all} [--quick]: one JSON object per
+benchmark, and as the last line one object with all of them (`all` runs every benchmark but fp8 and gpu, which need
+a GPU).
 
 python -m megatron_rl.bench ablation [--quick] [flags] [-- train flags]: the off-policy correction vs lag ablation, with
 flags of its own (`python -m megatron_rl.bench ablation -h`); hours for the full grid, so not part of `all`.
@@ -14,7 +15,7 @@ import os
 import sys
 import time
 
-BENCHMARKS = ("async", "ddma", "engine", "trainer", "reward", "r3")
+BENCHMARKS = ("async", "ddma", "engine", "trainer", "packing", "reward", "r3")
 GPU_ONLY = ("fp8", "gpu")
 STUDIES = {"ablation": "megatron_rl.bench.ablation.study", "soak": "megatron_rl.bench.soak"}  # many trainings each
 

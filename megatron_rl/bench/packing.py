@@ -54,7 +54,7 @@ def _step_rank(quick: bool, steps: int, sizes: dict):
     globally_padded = dataclasses.replace(batch, lengths=torch.full((len(batch),), width))
     ways = {"globally_padded": (globally_padded, packing.MicroBatching(micro_batch_size=8)),
             "padded": (batch, packing.MicroBatching(micro_batch_size=8)),
-            "packed": (batch, packing.MicroBatching(max_tokens=2 * width))}
+            "packed": (batch, packing.MicroBatching(max_tokens=width))}  # the least a run may set
     out = {}
     for name, (data, batching) in ways.items():
         trainer = PolicyTrainer(build_policy(spec, layout, lr=1e-4), AlgorithmConfig(), batching=batching)
@@ -70,23 +70,25 @@ def _step_rank(quick: bool, steps: int, sizes: dict):
 
 
 def _logprob_memory_rank(positions: int, vocab: int, chunk_tokens: int | None) -> float:
-    """GiB the log-prob forward and backward add to the peak RSS over their [1, positions, vocab] fp32 logits:
-    ours read `chunk_tokens` positions at a time; None: a plain fp32 log_softmax with its entropy, autograd saving
-    what it needs."""
+    """GiB the next-token log-prob forward and backward add to the peak RSS over their [1, positions, vocab] fp32
+    logits: the trainer's (`chunk_tokens` positions at a time, the gradient in the logits' storage); None: a plain
+    fp32 log_softmax with its entropy, autograd saving what it needs."""
     from megatron_rl.models.parallelism import TrainerLayout
     from megatron_rl.trainer import parallel
-    from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
+    from megatron_rl.trainer.logprobs import next_token_logprobs_and_entropy
 
     parallel.initialize(TrainerLayout(1, 1, dtype_bytes=4))
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(1, positions, vocab, generator=g).requires_grad_()
+    hidden = torch.randn(1, positions, 64, generator=g)
+    head = torch.randn(64, vocab, generator=g).requires_grad_()
+    logits = hidden @ head  # an output layer's, whose backward makes nothing logits-sized
     targets = torch.randint(0, vocab, (1, positions), generator=g)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if chunk_tokens is None:
-        logp = torch.log_softmax(logits.float() / TEMPERATURE, -1)
-        lp, entropy = logp.gather(-1, targets[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
+        logp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, -1)
+        lp, entropy = logp.gather(-1, targets[:, 1:, None])[..., 0], -(logp.exp() * logp).sum(-1)
     else:
-        lp, entropy = token_logprobs_and_entropy(logits, targets, vocab, TEMPERATURE, chunk_tokens)
+        lp, entropy = next_token_logprobs_and_entropy(logits, targets, vocab, TEMPERATURE, chunk_tokens)
     (lp.sum() + 0.01 * entropy.sum()).backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     parallel.destroy()
@@ -97,9 +99,9 @@ def run(quick: bool = False) -> dict:
     from megatron_rl.runtime.spawn import run_on_ranks
     from megatron_rl.trainer.logprobs import CHUNK_TOKENS
 
-    sizes = dict(n=32, prompt=16, median=48, max_response=512) if quick else \
-        dict(n=64, prompt=16, median=64, max_response=1024)
-    r = run_on_ranks(_step_rank, 1, quick, 2 if quick else 3, sizes)[0]
+    sizes = dict(n=128, prompt=8, median=32, max_response=512) if quick else \
+        dict(n=256, prompt=16, median=48, max_response=1024)
+    r = run_on_ranks(_step_rank, 1, quick, 2, sizes, timeout_s=3600)[0]
     real, full = r["real_tokens"], r["globally_padded"]["model_tokens"]
     positions, vocab = (4096, 32768) if quick else (8192, 32768)
     chunked = run_on_ranks(_logprob_memory_rank, 1, positions, vocab, CHUNK_TOKENS)[0]

@@ -152,7 +152,15 @@ def dry_run(args, world_size: int) -> dict:
             "generator": generator_memory(spec, gtp, generator.fp8, generator.expert_parallel_size),
         },
         "ddma": ddma,
+        "micro_batches": _micro_batches(args),
     }
+
+
+def _micro_batches(args) -> dict:
+    if not args.use_dynamic_batch_size:
+        return {"packed": False, "micro_batch_size": args.micro_batch_size}
+    return {"packed": True, "max_tokens_per_gpu": args.max_tokens_per_gpu,
+            "log_probs_max_tokens_per_gpu": args.log_probs_max_tokens_per_gpu or args.max_tokens_per_gpu}
 
 
 def main(args) -> int:
@@ -191,6 +199,11 @@ def main(args) -> int:
           + (f", {mt['expert_params'] / 1e9:.2f}B of them its experts, whose optimizer state is split "
              f"{mt['expert_data_parallel']} ways" if moe else "")
           + f"); generator weights {m['generator']['weights_gib']:.1f} GiB")
+    mb = report["micro_batches"]
+    print("micro-batches: " + (f"packed, at most {mb['max_tokens_per_gpu']} tokens per GPU (log-prob passes "
+                               f"{mb['log_probs_max_tokens_per_gpu']})" if mb["packed"] else
+                               f"{mb['micro_batch_size']} rollouts, each padded to its own longest")
+          + "; the memory above leaves out activations and log-prob temporaries")
     d = report["ddma"]
     print(f"DDMA: {d['num_transfers']} transfers, {d['total_bytes'] / 1e9:.1f} GB, busiest GPU sends "
           f"{d['max_send_bytes'] / 1e9:.2f} GB / receives {d['max_recv_bytes'] / 1e9:.2f} GB, estimated "

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 
 from megatron_rl.algorithms.diagnostics import lag_summary
 
@@ -135,6 +136,20 @@ def _stats(values: list[float]) -> dict[str, float]:
             "min": min(values), "max": max(values)}
 
 
+def discards_by_length(outcomes) -> dict[str, dict[str, int]]:
+    """What the step popped, by response-length bucket ("<=N" tokens, N a power of two): how many rollouts and how
+    many of them each reason discarded. The staleness gate drops the long responses first (their oldest token is
+    the oldest): a length bias this makes visible."""
+    buckets: dict[int, Counter] = {}
+    for rollout, reason in outcomes:
+        n = len(rollout.output.token_ids)
+        bucket = buckets.setdefault(1 << max(0, (n - 1).bit_length()), Counter())
+        bucket["popped"] += 1
+        if reason:
+            bucket[reason.split(":")[0]] += 1
+    return {f"<={n}": dict(counts) for n, counts in sorted(buckets.items())}
+
+
 def step_metrics(rollouts: list, seen: dict, train: dict, times: StepTimes, totals: dict, previous: dict,
                  step_s: float, *, weight_version: int, consumed_samples: int, time_s: float, skipped_steps: int,
                  reward_failures: dict, is_async: bool) -> dict:
@@ -159,6 +174,7 @@ def step_metrics(rollouts: list, seen: dict, train: dict, times: StepTimes, tota
             **lag_summary(dict(seen["lags"])),
             "age_s": sum(seen["ages"]) / max(len(seen["ages"]), 1),  # wall time from dispatch to consumption
             "discards": dict(seen["discards"]),
+            "discards_by_length": discards_by_length(seen["outcomes"]),
             "reward_failures": reward_failures,
             "generator_restarts": totals["engine_restarts"],
             "rerun_requests": totals["rerun_requests"],

@@ -7,15 +7,16 @@ exactly the model's over its true vocabulary (the generator never samples them).
 
 The logits are read `CHUNK_TOKENS` positions at a time, forward and backward: no fp32 copy of the whole logits
 is made, and nothing logits-sized is saved for the backward but the logits themselves, which the backward reads
-again to recompute the softmax of each chunk. At 8k positions x 32k vocabulary that is three fp32 temporaries of
-one chunk (0.4 GiB at 1,024 positions) instead of four of the whole [8k, 32k] (4 GiB).
+again to recompute the softmax of each chunk; the trainer's form (`next_token_logprobs_and_entropy`) then writes
+the gradient into the logits' own storage. At 8k positions x 32k vocabulary that is three fp32 temporaries of
+one chunk (0.1 GiB at 256 positions) instead of four of the whole [8k, 32k] (4 GiB) and a gradient.
 """
 
 from __future__ import annotations
 
 import torch
 
-CHUNK_TOKENS = 1024  # positions of the logits read at once
+CHUNK_TOKENS = 256  # positions of the logits read at once
 
 
 def _tp():
@@ -52,7 +53,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     d logp / d x = onehot - p and d H / d x = -p (x - E_p[x]) for x = logits / temperature."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_size, temperature, chunk_tokens, group, rank):
+    def forward(ctx, logits, targets, vocab_size, temperature, chunk_tokens, group, rank, inplace_backward):
         ctx.set_materialize_grads(False)
         b, s, local = logits.shape
         start = rank * local
@@ -74,14 +75,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logsumexp = shift + torch.log(sums[0])
         mean_x = sums[1] / sums[0]
         ctx.save_for_backward(logits, local_index, in_range, logsumexp, mean_x)
-        ctx.args = vocab_size, temperature, chunk_tokens, start
+        ctx.args = vocab_size, temperature, chunk_tokens, start, inplace_backward
         return sums[2] - logsumexp, logsumexp - mean_x
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, local_index, in_range, logsumexp, mean_x = ctx.saved_tensors
-        vocab_size, temperature, chunk_tokens, start = ctx.args
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        vocab_size, temperature, chunk_tokens, start, inplace_backward = ctx.args
+        # in place: each chunk's logits are read for the last time just before their gradient replaces them
+        grad = logits if inplace_backward else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         b, s, _ = logits.shape
         for i, t in _chunks(b, s, chunk_tokens):
             x = _scaled(logits[i, t], vocab_size, temperature, start)
@@ -95,7 +97,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 finite = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
                 g -= grad_entropy[i, t, None] * p * (finite - mean_x[i, t, None])
             grad[i, t] = g / temperature
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
@@ -112,4 +114,20 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, voca
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     group, rank = _tp()
-    return _VocabParallelLogProbs.apply(logits, targets, vocab_size, temperature, chunk_tokens, group, rank)
+    return _VocabParallelLogProbs.apply(logits, targets, vocab_size, temperature, chunk_tokens, group, rank, False)
+
+
+def next_token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
+                                    temperature: float = 1.0, chunk_tokens: int = CHUNK_TOKENS
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs_and_entropy` of each position's next token, [b, s-1], from a model's whole [b, s, V_pad / TP]
+    logits, whose storage the backward reuses for their gradient (as Megatron's fused cross entropy does): no
+    logits-sized tensor is allocated at all. The logits must not be read again after the backward; another
+    autograd use of them would raise (their version changed)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    group, rank = _tp()
+    targets = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)  # the last position has no next token: its result is cut
+    logprobs, entropy = _VocabParallelLogProbs.apply(logits, targets, vocab_size, temperature, chunk_tokens, group,
+                                                     rank, logits.requires_grad)
+    return logprobs[:, :-1], entropy[:, :-1]

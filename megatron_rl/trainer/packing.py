@@ -226,9 +226,9 @@ def _moe_padding_mask(gpt: torch.nn.Module, mb: dict[str, Any]) -> dict[str, tor
     """`padding_mask` [b, s] (True: padding) for a mixture of experts, whose routers then leave padding out of the
     load-balancing loss; none for a dense model. Megatron-Core splits it for sequence parallelism on the first
     pipeline stage only: later stages get their TP rank's part here."""
-    if not gpt.config.num_moe_experts:
+    mask = mb.get("padding_mask")
+    if not gpt.config.num_moe_experts or mask is None:
         return {}
-    mask = mb["padding_mask"]
     if gpt.config.sequence_parallel and not gpt.pre_process:
         from megatron.core import parallel_state as ps
 

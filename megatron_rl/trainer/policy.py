@@ -168,10 +168,10 @@ def forward_logprobs(policy: Policy | torch.nn.Module, microbatches: list[dict[s
     """Log-probs of each micro-batch's next tokens as rows ([rows, width], `packing.rows_view`; temperature-scaled
     as in training) under `policy` (the policy, or the frozen reference model), forward-only through Megatron's
     schedule: one tensor per micro-batch on the last pipeline stage, none elsewhere."""
-    from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
+    from megatron_rl.trainer.logprobs import next_token_logprobs_and_entropy
 
     def fn(logits, mb):
-        lp, _ = token_logprobs_and_entropy(logits[:, :-1], mb["tokens"][:, 1:], vocab_size, temperature)
+        lp, _ = next_token_logprobs_and_entropy(logits, mb["tokens"], vocab_size, temperature)
         return logits.sum() * 0, {"logprobs": packing.rows_view(lp, mb)}
 
     return [out["logprobs"] for out in run_microbatches(policy, microbatches, fn, forward_only=True)]

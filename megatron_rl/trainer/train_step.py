@@ -19,7 +19,7 @@ from megatron_rl import algorithms
 from megatron_rl.algorithms import AlgorithmConfig
 from megatron_rl.trainer import packing
 from megatron_rl.trainer.batch import TrainBatch
-from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
+from megatron_rl.trainer.logprobs import next_token_logprobs_and_entropy
 from megatron_rl.trainer.policy import Policy, forward_logprobs, moe_aux_loss, optimizer_step, run_microbatches
 from megatron_rl.trainer.reference import ReferenceModel
 
@@ -28,7 +28,7 @@ def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch
                 normalizer: float) -> tuple[torch.Tensor, dict[str, Any]]:
     """The loss of one micro-batch (already divided by the global normalizer) and its raw statistics, among them
     how many valid tokens each of the loss's indicators (clipped, masked, ...) marked."""
-    logprobs, entropy = token_logprobs_and_entropy(logits[:, :-1], mb["tokens"][:, 1:], vocab_size, algo.temperature)
+    logprobs, entropy = next_token_logprobs_and_entropy(logits, mb["tokens"], vocab_size, algo.temperature)
     logprobs, entropy = packing.rows_view(logprobs, mb), packing.rows_view(entropy, mb)
     mask, blp = mb["loss_mask"], mb["behavior_logprobs"]
     constant = algo.seq_sum_constant if algo.seq_sum_constant is not None else mb["batch_width"]

@@ -63,6 +63,20 @@ def test_controlled_lag_contradictions_name_both_flags(flags, message, capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
+    (["--use-dynamic-batch-size"], "--use-dynamic-batch-size and --max-tokens-per-gpu go together"),
+    (["--max-tokens-per-gpu", "512"], "--use-dynamic-batch-size and --max-tokens-per-gpu go together"),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "100", "--seq-length", "128"],
+     "--max-tokens-per-gpu 100 is less than --seq-length 128: a rollout that long could not be trained"),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "512", "--log-probs-max-tokens-per-gpu", "0"],
+     "--log-probs-max-tokens-per-gpu must be >= 1, got 0"),
+])
+def test_packing_flags_are_checked_together(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
     (["--task-max-digits", "1"], "--eval-size 200: the task's eval split has only 15 distinct problems (200 "
                                  "expressions in all)"),
     (["--sft-lr-warmup-iters", "-1"], "--sft-lr-warmup-iters must be >= 0, got -1"),

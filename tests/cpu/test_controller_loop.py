@@ -353,6 +353,21 @@ def test_buffer_releases_complete_groups_oldest_first_and_names_every_drop():
     assert batch.popped == 4 and batch.lag_histogram == {0: 7, 2: 1}
 
 
+def test_discards_are_reported_by_response_length():
+    from megatron_rl.observability.metrics import discards_by_length
+
+    def rollout(pid, k, length, version):
+        out = RolloutOutput(f"{pid}#{k}", [1], [2] * length, [-1.0] * length, [version] * length, "stop")
+        return Rollout(out, RequestMeta(pid, k, "x", False, 0.0), RewardResult(float(k), "scored"))
+
+    buffer = RolloutBuffer(group_size=2, max_staleness=1)
+    for r in (rollout("a", 0, 3, 3), rollout("a", 1, 4, 3), rollout("b", 0, 100, 1), rollout("b", 1, 64, 3)):
+        buffer.add(r)  # b#0, the long one, began two versions ago
+    assert discards_by_length(buffer.take(2, trainer_version=3).outcomes) == {
+        "<=4": {"popped": 2}, "<=64": {"popped": 1, "group too small after gates": 1},
+        "<=128": {"popped": 1, "stale": 1}}
+
+
 def test_buffer_state_round_trips_through_json():
     import json
 

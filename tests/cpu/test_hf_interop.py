@@ -196,7 +196,7 @@ def _trainer_logits(policy, ids):
     def fn(logits, mb):
         return logits.sum() * 0, {"logits": gather_vocab_parallel(logits).detach()}
 
-    out = run_microbatches(policy, [{"input_ids": ids}], fn, forward_only=True)
+    out = run_microbatches(policy, [{"tokens": ids}], fn, forward_only=True)
     return out[0]["logits"][..., :RUN_SPEC.vocab_size].clone() if out else None
 
 

@@ -40,7 +40,7 @@ def _layout_run(tp: int, pp: int, dp: int, spec_name: str):
     tokens = _batch()
     rows = tokens.chunk(dp)[dp_rank]
     chunks = rows.chunk(MICROBATCHES // dp if dp <= MICROBATCHES else 1)
-    microbatches = [{"input_ids": c[:, :-1].contiguous(), "labels": c[:, 1:].contiguous()} for c in chunks]
+    microbatches = [{"tokens": c[:, :-1].contiguous(), "labels": c[:, 1:].contiguous()} for c in chunks]
     global_tokens = tokens[:, 1:].numel()
 
     def logits_fn(logits, mb):

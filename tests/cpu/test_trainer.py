@@ -74,7 +74,7 @@ def _logprob_rank(tp):
     from helpers import gather_vocab_parallel
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.trainer.logprobs import token_logprobs_and_entropy
+    from megatron_rl.trainer.logprobs import next_token_logprobs_and_entropy, token_logprobs_and_entropy
 
     trainer = _setup(tp, 1)
     batch = _batch()
@@ -88,6 +88,13 @@ def _logprob_rank(tp):
     lp3, ent3 = token_logprobs_and_entropy(chunked[:, :-1], batch.tokens[:, 1:], SPEC.vocab_size, TEMPERATURE,
                                            chunk_tokens=3)
     (lp3.sum() + 0.3 * ent3.sum()).backward()
+    # the trainer's form: the whole logits, the gradient written into their own storage
+    leaf = logits.detach().requires_grad_()
+    inplace, grad_ptrs = leaf * 1.0, []  # a model output, as in training (a leaf's gradient is copied into .grad)
+    inplace.register_hook(lambda g: grad_ptrs.append(g.data_ptr()))
+    lpi, enti = next_token_logprobs_and_entropy(inplace, batch.tokens, SPEC.vocab_size, TEMPERATURE)
+    (lpi.sum() + 0.3 * enti.sum()).backward()
+    reused = grad_ptrs == [inplace.data_ptr()]
     # the entropy carries no gradient when nothing differentiates it
     alone = logits.detach().requires_grad_()
     lp_only, _ = token_logprobs_and_entropy(alone[:, :-1], batch.tokens[:, 1:], SPEC.vocab_size, TEMPERATURE)
@@ -107,6 +114,8 @@ def _logprob_rank(tp):
            "grad3": gather_vocab_parallel(chunked.grad)[..., : SPEC.vocab_size],
            "grad_lp_only": gather_vocab_parallel(alone.grad)[..., : SPEC.vocab_size],
            "ref_grad_lp_only": full_only.grad,
+           "lpi": lpi.detach(), "enti": enti.detach(), "reused": reused,
+           "gradi": gather_vocab_parallel(leaf.grad)[..., : SPEC.vocab_size],
            "rank": ps.get_tensor_model_parallel_rank()}
     parallel.destroy()
     return out
@@ -119,6 +128,8 @@ def test_vocab_parallel_logprobs_equal_full_log_softmax():
             torch.testing.assert_close(r[key], r["ref_" + key], atol=1e-5, rtol=0, msg=key)
         for key in ("lp", "ent", "grad"):  # chunking changes no summation within a position: equal to the last bit
             assert torch.equal(r[key + "3"], r[key]), key
+            assert torch.equal(r[key + "i"], r[key]), key  # so does writing the gradient in place
+        assert r["reused"]  # ... into the logits' own storage
         torch.testing.assert_close(r["lp"], tp1["ref_lp"], atol=1e-5, rtol=0)
         assert (r["pad_grad"] == 0).all()  # padded vocabulary entries get no gradient
 

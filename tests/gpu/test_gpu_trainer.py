@@ -2,7 +2,9 @@
 the same batch, SGD so that the update is the gradient itself. fp32 on the GPU equals the CPU within 1e-4 relative
 (TF32 is off for matmuls by default; reduction orders differ); bf16 (Megatron's bf16: bf16 params and compute, fp32
 main grads and main params) within 3e-2 relative (bf16 keeps 8 bits of mantissa: ~4e-3 per rounding, accumulated
-over a few layers). Every parameter, grad buffer and optimizer state is on the GPU."""
+over a few layers). Every parameter, grad buffer and optimizer state is on the GPU. With Transformer Engine: packed
+micro-batches (THD) give the padded rows' log-probs, within 1e-4 in fp32 and 5e-2 in bf16 (absolute, log-probs
+near -5.5: a few bf16 roundings)."""
 
 import pytest
 import torch
@@ -60,3 +62,36 @@ def test_gpu_step_equals_cpu_step(cpu_step, bf16, tolerance):
     assert abs(gpu["loss"] - cpu_step["loss"]) <= tolerance * max(abs(cpu_step["loss"]), 1e-3)
     error = (gpu["update"] - cpu_step["update"]).norm() / cpu_step["update"].norm()
     assert error <= tolerance, f"update differs by {error:.2e} relative"
+
+
+def _packed_logprobs(bf16: bool):
+    """Log-probs of a long-tail batch on the Transformer Engine spec: rows padded to their micro-batch's longest, and
+    packed (THD, `cu_seqlens`)."""
+    from megatron_rl.algorithms import AlgorithmConfig
+    from megatron_rl.models.parallelism import TrainerLayout
+    from megatron_rl.trainer import packing, parallel
+    from megatron_rl.trainer.batch import TrainBatch
+    from megatron_rl.trainer.policy import build_policy
+    from megatron_rl.trainer.train_step import PolicyTrainer
+
+    layout = TrainerLayout(1, 1, 1, dtype_bytes=2 if bf16 else 4, transformer_impl="transformer_engine")
+    device = parallel.initialize(layout, SPEC, seed=7, device="cuda")
+    policy = build_policy(SPEC, layout, bf16=bf16, device=device, use_cpu_initialization=True)
+    g = torch.Generator().manual_seed(0)
+    responses = [int(n) for n in (24 * torch.exp(0.68 * torch.randn(16, generator=g))).clamp(1, 200)]
+    batch = TrainBatch.from_sequences(torch.randint(0, 256, (16, 8), generator=g).tolist(),
+                                      [torch.randint(0, 256, (n,), generator=g).tolist() for n in responses],
+                                      [[0.0] * n for n in responses], [0.0] * 16)
+    trainer = PolicyTrainer(policy, AlgorithmConfig(), batching=4)
+    padded = trainer.compute_logprobs(batch)
+    trainer.batching = packing.MicroBatching(max_tokens=512)
+    packed = trainer.compute_logprobs(batch)
+    parallel.destroy()
+    return padded, packed, batch.loss_mask
+
+
+@pytest.mark.parametrize("bf16, tolerance", [(False, 1e-4), (True, 5e-2)], ids=["fp32", "bf16"])
+def test_thd_packed_logprobs_equal_padded_on_transformer_engine(bf16, tolerance):
+    pytest.importorskip("transformer_engine")
+    padded, packed, mask = run_on_ranks(_packed_logprobs, 1, bf16, backend="nccl", timeout_s=300)[0]
+    torch.testing.assert_close(packed[mask], padded[mask], atol=tolerance, rtol=0)
