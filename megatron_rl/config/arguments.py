@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens (spread over the ranks balanced by tokens); --micro-batch-size is then unused")
     g.add_argument("--max-tokens-per-gpu", type=int,
                    help="with --use-dynamic-batch-size: tokens per packed training micro-batch (at least "
-                        "--seq-length: a rollout is never split)")
+                        "--seq-length: a rollout is never split; with --sequence-parallel up to TP - 1 more, "
+                        "the padding to a multiple of TP)")
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int,
                    help="with --use-dynamic-batch-size: tokens per packed micro-batch of the forward-only log-prob "
                         "passes (reference log-probs); default --max-tokens-per-gpu")

@@ -143,7 +143,7 @@ def discards_by_length(outcomes) -> dict[str, dict[str, int]]:
     buckets: dict[int, Counter] = {}
     for rollout, reason in outcomes:
         n = len(rollout.output.token_ids)
-        bucket = buckets.setdefault(1 << max(0, (n - 1).bit_length()), Counter())
+        bucket = buckets.setdefault(1 << (n - 1).bit_length() if n else 0, Counter())
         bucket["popped"] += 1
         if reason:
             bucket[reason.split(":")[0]] += 1

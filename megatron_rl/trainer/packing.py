@@ -12,7 +12,9 @@ Two ways to cut a step's rollouts (`MicroBatching`):
 
 The plan is a pure function of the rollouts' lengths, so every trainer rank computes the same one without talking.
 Every DP rank runs the same number of micro-batches; a rank with fewer rollouts than that (a step the gates left
-short, or fewer rollouts than DP ranks) runs fillers: a copy of rollout 0 with nothing in its loss mask.
+short, or fewer rollouts than DP ranks) runs fillers: a copy of rollout 0 with nothing in its loss mask. A mixture
+of experts' router losses (--moe-aux-loss-coeff) still count a filler's tokens: Megatron-Core computes them in the
+forward pass, and a micro-batch of padding only would divide by zero there.
 Whatever the packing, the loss sees each micro-batch as rows ([rows, width] per-token tensors: `rows_view`), so
 the losses and aggregations are the same code for both, and their normalizers are global counts.
 """
