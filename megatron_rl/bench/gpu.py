@@ -1,5 +1,6 @@
-"""A ~1B-parameter random Llama on one GPU: the trainer's AIPO step (tokens/s and model FLOPs utilization) and the
-built-in engine's decode (tokens/s at batch 1, 32 and 128). Needs CUDA; on a CPU it reports that it did not run.
+"""A ~1B-parameter random Llama on one GPU: the trainer's AIPO step (tokens/s and model FLOPs utilization; on a
+long-tail batch padded and packed, `bench.packing`'s three ways) and the built-in engine's decode (tokens/s at
+batch 1, 32 and 128). Needs CUDA; on a CPU it reports that it did not run.
 
 MFU counts the model's FLOPs per trained token as Megatron does (6 x parameters for the matmuls, plus attention's
 12 x layers x hidden x sequence length), over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`, by device name).
@@ -61,6 +62,31 @@ def _trainer_rank(steps: int) -> dict:
             "peak_bf16_tflops": peak, "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
+def _packing_rank(steps: int) -> dict:
+    """The ~1B model's AIPO step on a long-tail batch (64 rollouts, 64-token prompts, responses log-normal around
+    512 tokens, at most 1,536), padded to the longest, padded per micro-batch of 4, and packed (bf16; Transformer
+    Engine's spec, THD, when it is installed, else the local spec with its dense block-diagonal mask)."""
+    import importlib.util
+
+    from megatron_rl.bench.packing import long_tail_batch, time_three_ways
+    from megatron_rl.models.parallelism import TrainerLayout
+    from megatron_rl.trainer import parallel
+
+    spec = _spec()
+    impl = "transformer_engine" if importlib.util.find_spec("transformer_engine") else "local"
+    layout = TrainerLayout(1, 1, 1, transformer_impl=impl)
+    device = parallel.initialize(layout, spec, device="cuda")
+    batch = long_tail_batch(spec.vocab_size, n=64, prompt=64, median=512, max_response=1536)
+    out = time_three_ways(spec, layout, batch, steps, micro_batch_size=4, bf16=True, device=device)
+    parallel.destroy()
+    real = out["real_tokens"]
+    return {**out, "layer_spec": impl,
+            **{f"real_tokens_per_s_{way}": real / out[way]["step_s"]
+               for way in ("globally_padded", "padded", "packed")},
+            "packed_vs_globally_padded": out["globally_padded"]["step_s"] / out["packed"]["step_s"],
+            "ideal_ratio": out["globally_padded"]["model_tokens"] / real}
+
+
 def _decode(batch: int, spec) -> float:
     from megatron_rl.rollout.local.decoder import TPDecoder
     from megatron_rl.rollout.local.engine import LocalEngine
@@ -100,6 +126,7 @@ def run(quick: bool = False) -> dict:
            "trainer": run_on_ranks(_trainer_rank, 1, 3 if quick else 6, backend="nccl", timeout_s=600)[0],
            "trainer_batch": f"{SEQUENCES} sequences x {PROMPT + RESPONSE} tokens, micro-batch {MICRO_BATCH}, bf16, "
                             "local layer spec"}
+    out["trainer_packing"] = run_on_ranks(_packing_rank, 1, 2 if quick else 4, backend="nccl", timeout_s=900)[0]
     out["engine_decode_tokens_per_s"] = {f"batch_{b}": _decode(b, spec) for b in DECODE_BATCHES}
     out["engine_decode"] = f"{DECODE_PROMPT}-token prompts, {DECODE_TOKENS} new tokens each, bf16, sampling at T=1"
     return out

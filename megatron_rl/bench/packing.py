@@ -38,34 +38,51 @@ def long_tail_batch(vocab_size: int, n: int, prompt: int, median: int, max_respo
         [(-torch.rand(int(r), generator=g) * 5).tolist() for r in responses], torch.randn(n, generator=g).tolist())
 
 
-def _step_rank(quick: bool, steps: int, sizes: dict):
+def time_three_ways(spec, layout, batch, steps: int, micro_batch_size: int, **policy_kwargs) -> dict:
+    """Seconds per AIPO step on `batch` (after a warm-up step) and the tokens the model ran on: every row padded to
+    the batch's longest (the trainer before packing), rows padded per micro-batch of `micro_batch_size`, and packed
+    with a budget of the longest rollout (the least a run may set). Needs Megatron-Core's parallel state."""
     from megatron_rl.algorithms import AlgorithmConfig
-    from megatron_rl.models.parallelism import TrainerLayout
-    from megatron_rl.trainer import packing, parallel
+    from megatron_rl.trainer import packing
     from megatron_rl.trainer.policy import build_policy
     from megatron_rl.trainer.train_step import PolicyTrainer
+
+    width = batch.tokens.shape[1]
+    globally_padded = dataclasses.replace(batch, lengths=torch.full((len(batch),), width))
+    ways = {"globally_padded": (globally_padded, packing.MicroBatching(micro_batch_size=micro_batch_size)),
+            "padded": (batch, packing.MicroBatching(micro_batch_size=micro_batch_size)),
+            "packed": (batch, packing.MicroBatching(max_tokens=width))}
+    out = {}
+    for name, (data, batching) in ways.items():
+        policy = build_policy(spec, layout, lr=1e-4, **policy_kwargs)
+        trainer = PolicyTrainer(policy, AlgorithmConfig(), batching=batching)
+        trainer.train_step(data)  # warm-up
+        _synchronize(policy.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            metrics = trainer.train_step(data)
+        _synchronize(policy.device)
+        out[name] = {"step_s": (time.perf_counter() - start) / steps, "model_tokens": metrics["model_tokens"]}
+        del trainer, policy
+    out["real_tokens"] = int(batch.seq_lengths.sum())
+    out["longest"] = width
+    return out
+
+
+def _synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step_rank(quick: bool, steps: int, sizes: dict):
+    from megatron_rl.models.parallelism import TrainerLayout
+    from megatron_rl.trainer import parallel
 
     spec = _spec(quick)
     layout = TrainerLayout(1, 1, dtype_bytes=4)
     parallel.initialize(layout, spec)
-    batch = long_tail_batch(spec.vocab_size, **sizes)
-    width = batch.tokens.shape[1]
-    # the trainer before packing: every row as long as the batch's longest
-    globally_padded = dataclasses.replace(batch, lengths=torch.full((len(batch),), width))
-    ways = {"globally_padded": (globally_padded, packing.MicroBatching(micro_batch_size=8)),
-            "padded": (batch, packing.MicroBatching(micro_batch_size=8)),
-            "packed": (batch, packing.MicroBatching(max_tokens=width))}  # the least a run may set
-    out = {}
-    for name, (data, batching) in ways.items():
-        trainer = PolicyTrainer(build_policy(spec, layout, lr=1e-4), AlgorithmConfig(), batching=batching)
-        trainer.train_step(data)  # warm-up
-        start = time.perf_counter()
-        for _ in range(steps):
-            metrics = trainer.train_step(data)
-        out[name] = {"step_s": (time.perf_counter() - start) / steps, "model_tokens": metrics["model_tokens"]}
+    out = time_three_ways(spec, layout, long_tail_batch(spec.vocab_size, **sizes), steps, micro_batch_size=8)
     parallel.destroy()
-    out["real_tokens"] = int(batch.seq_lengths.sum())
-    out["longest"] = width
     return out
 
 
