@@ -101,8 +101,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                               temperature: float = 1.0, chunk_tokens: int = CHUNK_TOKENS
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               temperature: float = 1.0, chunk_tokens: int = CHUNK_TOKENS,
+                               inplace_backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `targets` and the entropy of softmax(logits / temperature) over the true vocabulary.
 
     logits [b, s, V_pad / TP] (this rank's vocabulary slice, any float dtype), targets [b, s] global token ids.
@@ -110,11 +110,13 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, voca
     differentiates it. Temperature divides the logits before the softmax, exactly as the generator did when it
     sampled: the behavior log-probs the generator reports are in this convention (after temperature, before
     top-k/top-p truncation). `chunk_tokens` positions are read at a time (see the module docstring).
+    `inplace_backward`: the backward writes the gradient into the logits' storage (`next_token_logprobs_and_entropy`).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     group, rank = _tp()
-    return _VocabParallelLogProbs.apply(logits, targets, vocab_size, temperature, chunk_tokens, group, rank, False)
+    return _VocabParallelLogProbs.apply(logits, targets, vocab_size, temperature, chunk_tokens, group, rank,
+                                        inplace_backward)
 
 
 def next_token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
@@ -124,10 +126,7 @@ def next_token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, 
     logits, whose storage the backward reuses for their gradient (as Megatron's fused cross entropy does): no
     logits-sized tensor is allocated at all. The logits must not be read again after the backward; another
     autograd use of them would raise (their version changed)."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    group, rank = _tp()
     targets = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)  # the last position has no next token: its result is cut
-    logprobs, entropy = _VocabParallelLogProbs.apply(logits, targets, vocab_size, temperature, chunk_tokens, group,
-                                                     rank, logits.requires_grad)
+    logprobs, entropy = token_logprobs_and_entropy(logits, targets, vocab_size, temperature, chunk_tokens,
+                                                   inplace_backward=logits.requires_grad)
     return logprobs[:, :-1], entropy[:, :-1]
