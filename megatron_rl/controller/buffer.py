@@ -108,13 +108,16 @@ class RolloutBuffer:
     def pending(self) -> int:
         return sum(len(g) for g in self._groups.values())
 
-    def take(self, num_groups: int, trainer_version: int, drop_uniform: bool | None = None) -> Batch:
+    def take(self, num_groups: int, trainer_version: int, drop_uniform: bool | None = None,
+             oversample_left: int | None = None) -> Batch:
         """Release up to `num_groups` complete groups (oldest first) after the gates. `drop_uniform=False`
-        keeps groups whose rewards are all equal (zero advantage) for this call."""
+        keeps groups whose rewards are all equal (zero advantage) for this call; `oversample_left`: a group popped
+        after that many others in this call is kept even so (the step's --max-oversample is used up)."""
         drop_uniform = self.drop_uniform_groups if drop_uniform is None else drop_uniform
         now = time.time()
         released, discards, lags, ages, rewards, outcomes = [], Counter(), [], [], [], []
-        for prompt_id in [p for p, g in self._groups.items() if len(g) == self.group_size][:num_groups]:
+        ready = [p for p, g in self._groups.items() if len(g) == self.group_size][:num_groups]
+        for earlier, prompt_id in enumerate(ready):
             group = sorted(self._groups.pop(prompt_id), key=lambda r: r.sample_index)
             lags += [r.oldest_version for r in group]
             rewards += [r.reward.reward for r in group if not r.failed]
@@ -126,7 +129,8 @@ class RolloutBuffer:
             group_reason = None
             if len(kept) < 2:
                 group_reason = "group too small after gates"
-            elif drop_uniform and len({r.reward.reward for r in kept}) == 1:
+            elif drop_uniform and (oversample_left is None or earlier < oversample_left) and \
+                    len({r.reward.reward for r in kept}) == 1:
                 group_reason = "group rewards all equal"
             outcomes += [(r, group_reason) for r in kept]
             if group_reason:

@@ -254,13 +254,14 @@ class Controller:
         groups, seen = [], {"discards": Counter(), "lags": Counter(), "sampled_rewards": [], "ages": [], "outcomes": []}
         popped = 0
         while len(groups) < P:
-            exhausted = popped >= self.args.max_oversample * P
+            left = max(self.args.max_oversample * P - popped, 0)
             self.top_up(P - len(groups) + (P if ahead else 0))
             while self.buffer.complete_groups() == 0:
                 self.receive(times)
             while self.receive(times, block=False):  # and whatever else is scored already: one take per batch
                 pass
-            batch = self.buffer.take(P - len(groups), self.version, drop_uniform=None if not exhausted else False)
+            # however the groups arrived, at most max_oversample x P are popped before uniform ones are kept
+            batch = self.buffer.take(P - len(groups), self.version, oversample_left=left)
             popped += batch.popped
             for r, _ in batch.outcomes:
                 self.inflight.pop(r.prompt_id, None)

@@ -368,6 +368,16 @@ def test_discards_are_reported_by_response_length():
         "<=128": {"popped": 1, "stale": 1}}
 
 
+def test_a_take_drops_no_more_uniform_groups_than_the_oversampling_left():
+    buffer = RolloutBuffer(group_size=2, max_staleness=1)
+    for prompt in "abc":  # three complete groups without signal, all there at once
+        for i in range(2):
+            buffer.add(_rollout(prompt, i, 0, 1.0))
+    batch = buffer.take(3, trainer_version=0, oversample_left=1)
+    assert batch.discards == {"group rewards all equal": 2} and batch.popped == 3
+    assert [g[0].prompt_id for g in batch.groups] == ["b", "c"]  # kept: the oversampling is used up
+
+
 def test_buffer_state_round_trips_through_json():
     import json
 
