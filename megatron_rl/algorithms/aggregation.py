@@ -2,8 +2,8 @@
 --loss-aggregation).
 
 Each mode is a sum over the batch divided by a normalizer. `normalizer` overrides the denominator: the trainer
-passes each mode's GLOBAL count (`Aggregation.global_normalizer` of the whole batch, across micro-batches and
-DP ranks) so that summing micro-batch losses gives exactly the loss of the whole batch.
+passes each mode's GLOBAL count (`Aggregation.global_normalizer` of the whole batch's counts, across
+micro-batches and DP ranks) so that summing micro-batch losses gives exactly the loss of the whole batch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 class Aggregation:
     # (masked per-token values, mask, normalizer or None, constant or None) -> scalar
     reduce: Callable[[torch.Tensor, torch.Tensor, float | None, float | None], torch.Tensor]
-    global_normalizer: Callable[[torch.Tensor], float]  # of the whole batch's [N, T] loss mask
+    global_normalizer: Callable[[int, int], float]  # of the whole batch's (valid tokens, sequences)
 
 
 def _token_mean(masked, mask, normalizer, constant):
@@ -38,12 +38,12 @@ def _seq_sum_constant(masked, mask, normalizer, constant):
     return masked.sum() / (const * (normalizer if normalizer is not None else max(masked.shape[0], 1)))
 
 
-def _tokens(mask: torch.Tensor) -> float:
-    return float(max(int(mask.sum()), 1))
+def _tokens(valid_tokens: int, sequences: int) -> float:
+    return float(max(valid_tokens, 1))
 
 
-def _sequences(mask: torch.Tensor) -> float:
-    return float(mask.shape[0])
+def _sequences(valid_tokens: int, sequences: int) -> float:
+    return float(sequences)
 
 
 AGGREGATIONS: dict[str, Aggregation] = {

@@ -116,6 +116,18 @@ class TrainBatch:
                           self.advantages[index], take(self.ref_logprobs), take(self.routed_experts),
                           take(self.lengths))
 
+    def trimmed(self) -> TrainBatch:
+        """The same rows cut to their own longest prompt + response (the padding beyond it dropped)."""
+        length = int(self.seq_lengths.max()) if len(self) else 0
+        if length >= self.tokens.shape[1]:
+            return self
+
+        def cut(t, n):
+            return None if t is None else t[:, :n]
+        return TrainBatch(cut(self.tokens, length), cut(self.loss_mask, length - 1),
+                          cut(self.behavior_logprobs, length - 1), self.advantages, cut(self.ref_logprobs, length - 1),
+                          cut(self.routed_experts, length), self.lengths)
+
     def padded(self, multiple: int) -> TrainBatch:
         """The same batch right-padded to a sequence length that is a multiple of `multiple` (padding is masked)."""
         extra = -self.tokens.shape[1] % multiple

@@ -3,7 +3,9 @@
 Rank 0 (where the controller also runs) calls `command(name, payload)`: the command is broadcast to the other
 trainer ranks, which wait for commands in `serve()`, and all of them execute it through one table of handlers
 (train, sft, publish, save, load, save_hf, and for a KL penalty snapshot_reference and ref_logprobs). Commands are
-collective: Megatron's schedules, DDP and the optimizer run on every trainer rank at once.
+collective: Megatron's schedules, DDP and the optimizer run on every trainer rank at once. A command that carries
+a step's batch (train, sft, ref_logprobs) sends each rank only its data-parallel rank's share of it: rank 0 plans
+the micro-batches of the whole step and scatters the shares (`trainer.packing.split`).
 
 DDMA sends are posted in the background after each optimizer step ("publish") and waited for just before the
 next optimizer step changes the parameters, so the trainer computes the next batch's forward and backward while
@@ -26,7 +28,12 @@ from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
 from megatron_rl.runtime import failpoints
 from megatron_rl.runtime.roles import Roles
+from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.export import ModelDescription, save_hf
+from megatron_rl.trainer.packing import split as split_batch
+
+# The commands that carry a step's batch (the payload, or its first item), by whether their pass is forward only.
+BATCH_COMMANDS = {"train": False, "sft": False, "ref_logprobs": True}
 
 
 class TrainerExecutor:
@@ -68,6 +75,7 @@ class TrainerExecutor:
         self.transport = make_transport(roles)
         self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
         self.version = -1  # the last weight version published
+        self._dp_rank_of = self._data_parallel_ranks()  # by trainer rank: whom each batch share goes to
         self.handlers: dict[str, Callable[[Any], Any]] = {
             "train": self._train, "sft": self._sft, "publish": self._publish, "save": self._save, "load": self._load,
             "snapshot_reference": self._snapshot_reference, "ref_logprobs": self._ref_logprobs,
@@ -86,11 +94,30 @@ class TrainerExecutor:
             reference.load(self.args.ref_load)
         return reference
 
+    @staticmethod
+    def _data_parallel_ranks() -> list[int]:
+        from megatron.core import parallel_state as ps
+
+        ranks = [ps.get_data_parallel_rank()] * dist.get_world_size()
+        if dist.get_world_size() > 1:
+            dist.all_gather_object(ranks, ps.get_data_parallel_rank())
+        return ranks
+
     def command(self, name: str, payload=None):
         """Trainer rank 0: run a command on every trainer rank; returns this rank's result."""
-        if dist.get_world_size() > 1:
+        if dist.get_world_size() == 1:
+            return self._execute(name, payload)
+        batch = _batch_of(name, payload)
+        if batch is None:
             dist.broadcast_object_list([(name, payload)], src=0)
-        return self._execute(name, payload)
+            return self._execute(name, payload)
+        from megatron.core import parallel_state as ps
+
+        shares = split_batch(batch, self.trainer.batching, ps.get_data_parallel_world_size(), BATCH_COMMANDS[name])
+        dist.broadcast_object_list([(name, _with_batch(payload, None))], src=0)
+        box = [None]
+        dist.scatter_object_list(box, [shares[d] for d in self._dp_rank_of], src=0)
+        return self._execute(name, _with_batch(payload, box[0]))
 
     def serve(self) -> None:
         """Trainer ranks other than 0: execute rank 0's commands until it says "stop"."""
@@ -101,6 +128,10 @@ class TrainerExecutor:
             if name == "stop":
                 self._finish_publish()
                 return
+            if name in BATCH_COMMANDS:  # then this rank's share of the batch
+                share = [None]
+                dist.scatter_object_list(share, None, src=0)
+                payload = _with_batch(payload, share[0])
             self._execute(name, payload)
 
     def stop(self) -> None:
@@ -201,3 +232,18 @@ class TrainerExecutor:
                 total += p.detach().double().sum()
         dist.all_reduce(total, group=ps.get_model_parallel_group())
         return float(total)
+
+
+def _batch_of(name: str, payload) -> TrainBatch | None:
+    """The batch a command carries: its payload, or the payload's first item (sft's is (batch, lr))."""
+    if name not in BATCH_COMMANDS:
+        return None
+    batch = payload[0] if isinstance(payload, tuple) else payload
+    if not isinstance(batch, TrainBatch):
+        raise TypeError(f"trainer command {name!r} takes a TrainBatch, got {type(batch).__name__}")
+    return batch
+
+
+def _with_batch(payload, batch):
+    """`payload` with its batch replaced by `batch` (a share, or None to broadcast the rest)."""
+    return (batch, *payload[1:]) if isinstance(payload, tuple) else batch

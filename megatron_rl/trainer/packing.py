@@ -10,9 +10,10 @@ Two ways to cut a step's rollouts (`MicroBatching`):
   packed row: its sequences back to back, positions restarting at each, attention confined to each sequence
   (a block-diagonal causal mask on the local spec, THD `PackedSeqParams` on Transformer Engine).
 
-The plan is a pure function of the rollouts' lengths, so every trainer rank computes the same one without talking.
-Every DP rank runs the same number of micro-batches; a rank with fewer rollouts than that (a step the gates left
-short, or fewer rollouts than DP ranks) runs fillers: a copy of rollout 0 with nothing in its loss mask. A mixture
+The plan is a pure function of the rollouts' lengths. Trainer rank 0 makes it and sends each DP rank only its share
+of the step (`split`: its rollouts, its micro-batches, and the step's counts that normalizers need). Every DP rank
+runs the same number of micro-batches; a rank with fewer rollouts than that (a step the gates left short, or fewer
+rollouts than DP ranks) runs fillers: a copy of one of its rollouts with nothing in its loss mask. A mixture
 of experts' router losses (--moe-aux-loss-coeff) still count a filler's tokens: Megatron-Core computes them in the
 forward pass, and a micro-batch of padding only would divide by zero there.
 Whatever the packing, the loss sees each micro-batch as rows ([rows, width] per-token tensors: `rows_view`), so
@@ -164,26 +165,58 @@ def rows_view(per_position: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
     return per_position[0][mb["unpack"]]
 
 
-def microbatches(batch: TrainBatch, batching: MicroBatching, dp: int, dp_rank: int, multiple: int = 1,
-                 forward_only: bool = False, thd: bool = False) -> list[dict[str, Any]]:
-    """This DP rank's micro-batches of `batch` (on the host), each with "rows": its rows' indices in `batch`.
-    `multiple`: what a row's length is rounded up to (TP under sequence parallelism); `thd`: packed rows go to
-    Transformer Engine's attention as THD (else to the local spec's, with a mask)."""
+@dataclasses.dataclass
+class BatchShare:
+    """One DP rank's part of a step: its rollouts, how they are cut into micro-batches, and the counts of the whole
+    step that normalizers and metrics need. Trainer rank 0 sends each DP rank only its share."""
+
+    batch: TrainBatch  # this rank's rollouts, trimmed to their own longest (one masked-out row if it has none)
+    rows: list[int]  # their indices in the step's batch
+    plan: list[list[int]]  # the micro-batches: indices into `batch`, [] for a filler
+    packed: bool  # micro-batches are packed rows (dynamic batching), else padded rows
+    size: int  # rollouts in the step
+    width: int  # the step's prediction positions: its longest prompt + response, minus one
+    valid_tokens: int  # loss-mask tokens in the step
+
+
+def split(batch: TrainBatch, batching: MicroBatching, dp: int, forward_only: bool = False) -> list[BatchShare]:
+    """The step's `batch` as one share per DP rank (see `plan_fixed`, `plan_dynamic`)."""
     budget = batching.budget(forward_only)
     if budget is None:
-        plan, build = plan_fixed(len(batch), dp, batching.micro_batch_size), padded_microbatch
+        plan = plan_fixed(len(batch), dp, batching.micro_batch_size)
     else:
         flag = "--log-probs-max-tokens-per-gpu" if forward_only and batching.logprob_max_tokens else \
             "--max-tokens-per-gpu"
-        plan, build = plan_dynamic(batch.seq_lengths.tolist(), dp, budget, flag), packed_microbatch
-    extra = {} if budget is None else {"thd": thd}
-    out = []
-    for rows in plan[dp_rank]:
+        plan = plan_dynamic(batch.seq_lengths.tolist(), dp, budget, flag)
+    counts = dict(packed=budget is not None, size=len(batch), width=batch.tokens.shape[1] - 1,
+                  valid_tokens=int(batch.loss_mask.sum()))
+    shares = []
+    for rank_plan in plan:
+        rows = sorted(i for mb in rank_plan for i in mb)
+        local = {row: j for j, row in enumerate(rows)}
         if rows:
-            out.append({**build(batch, rows, multiple), "rows": torch.tensor(rows), **extra})
-        else:  # a filler (rollout 0, nothing trained on) so that every rank runs as many micro-batches
-            mb = build(batch, [0], multiple)
-            out.append({**mb, "loss_mask": torch.zeros_like(mb["loss_mask"]), "rows": torch.tensor([0]),
+            part = batch.rows(torch.tensor(rows)).trimmed()
+        else:  # nothing to train on: a row for the fillers
+            part = batch.rows(torch.tensor([0])).trimmed()
+            part.loss_mask = torch.zeros_like(part.loss_mask)
+        shares.append(BatchShare(part, rows, [[local[i] for i in mb] for mb in rank_plan], **counts))
+    return shares
+
+
+def microbatches(share: BatchShare, multiple: int = 1, thd: bool = False) -> list[dict[str, Any]]:
+    """A share's micro-batches (on the host), each with "rows": its rollouts' indices in the step's batch.
+    `multiple`: what a row's length is rounded up to (TP under sequence parallelism); `thd`: packed rows go to
+    Transformer Engine's attention as THD (else to the local spec's, with a mask)."""
+    build = packed_microbatch if share.packed else padded_microbatch
+    extra = {"thd": thd} if share.packed else {}
+    out = []
+    for rows in share.plan:
+        if rows:
+            out.append({**build(share.batch, rows, multiple), "rows": torch.tensor([share.rows[j] for j in rows]),
+                        **extra})
+        else:  # a filler (a row of the share, nothing trained on) so that every rank runs as many micro-batches
+            mb = build(share.batch, [0], multiple)
+            out.append({**mb, "loss_mask": torch.zeros_like(mb["loss_mask"]), "rows": torch.tensor([-1]),
                         "filler": True, **extra})
     return out
 

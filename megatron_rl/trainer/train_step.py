@@ -1,9 +1,10 @@
 """One policy-gradient step of the Megatron-Core policy on a batch of scored rollouts.
 
-The whole global batch is given to every trainer rank (it is small: token ids and floats); each rank takes
-its data-parallel share as micro-batches (`trainer.packing`: rows padded to their own longest, or packed by a
-token budget) and runs Megatron's schedule. The loss is normalized by the global count of the chosen aggregation
-(valid tokens, or sequences), so gradients are the same for any TP / PP / DP layout and any micro-batching.
+Each trainer rank gets its data-parallel rank's share of the step (`packing.split`; the trainer executor sends
+each rank only its own, a caller may also give every rank the whole batch), cut into micro-batches
+(`trainer.packing`: rows padded to their own longest, or packed by a token budget), and runs Megatron's schedule.
+The loss is normalized by the global count of the chosen aggregation (valid tokens, or sequences), which the share
+carries, so gradients are the same for any TP / PP / DP layout and any micro-batching.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch
 
 
 class PolicyTrainer:
-    """Trains the policy with an RL loss. Every trainer rank calls `train_step` with the same batch. `batching`:
+    """Trains the policy with an RL loss. Every trainer rank calls `train_step` with the same batch or with its
+    DP rank's share of it (a `packing.BatchShare`). `batching`:
     how the batch becomes micro-batches (a `packing.MicroBatching`, or a number of rows per micro-batch). With a KL
     penalty (`algo.kl_coef`), `reference` is the frozen reference model whose log-probs it needs."""
 
@@ -70,28 +72,37 @@ class PolicyTrainer:
         self.reference = reference
         self.step = 0
 
-    def _microbatches(self, batch: TrainBatch, forward_only: bool = False) -> list[dict[str, Any]]:
-        """This rank's micro-batches of `batch`, on the policy's device."""
+    def share(self, batch: TrainBatch | packing.BatchShare, forward_only: bool = False) -> packing.BatchShare:
+        """This DP rank's share of a step (`batch` itself when it is one already)."""
+        from megatron.core import parallel_state as ps
+
+        if isinstance(batch, packing.BatchShare):
+            return batch
+        return packing.split(batch, self.batching, ps.get_data_parallel_world_size(), forward_only)[
+            ps.get_data_parallel_rank()]
+
+    def _microbatches(self, share: packing.BatchShare) -> list[dict[str, Any]]:
+        """The share's micro-batches, on the policy's device."""
         from megatron.core import parallel_state as ps
 
         multiple = ps.get_tensor_model_parallel_world_size() if self.policy.config.sequence_parallel else 1
-        parts = packing.microbatches(batch, self.batching, ps.get_data_parallel_world_size(),
-                                     ps.get_data_parallel_rank(), multiple, forward_only,
-                                     thd=self.policy.layout.transformer_impl == "transformer_engine")
+        parts = packing.microbatches(share, multiple, thd=self.policy.layout.transformer_impl == "transformer_engine")
         device = self.policy.device
         return [{**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()},
-                 "batch_width": batch.tokens.shape[1] - 1} for mb in parts]
+                 "batch_width": share.width} for mb in parts]
 
-    def train_step(self, batch: TrainBatch, before_update: Callable[[], None] | None = None) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch | packing.BatchShare, before_update: Callable[[], None] | None = None
+                   ) -> dict[str, float]:
         """One optimizer step on `batch`; returns the same metrics dict on every trainer rank. `before_update`
         runs between the backward passes and the optimizer step (the last moment the old weights are needed)."""
         from megatron.core import parallel_state as ps
 
         start = time.perf_counter()
-        normalizer = algorithms.AGGREGATIONS[self.algo.aggregation].global_normalizer(batch.loss_mask)
+        share = self.share(batch)
+        normalizer = algorithms.AGGREGATIONS[self.algo.aggregation].global_normalizer(share.valid_tokens, share.size)
         vocab = self.policy.spec.vocab_size
-        microbatches = self._microbatches(batch)
-        if self.algo.kl_coef and batch.ref_logprobs is None:
+        microbatches = self._microbatches(share)
+        if self.algo.kl_coef and share.batch.ref_logprobs is None:
             self._add_reference_logprobs(microbatches)
         stats = run_microbatches(self.policy, microbatches,
                                  lambda logits, mb: policy_loss(self.algo, logits, mb, vocab, normalizer))
@@ -110,7 +121,7 @@ class PolicyTrainer:
             metrics["moe_aux_loss"] = aux_loss
         elapsed = time.perf_counter() - start
         metrics.update(step, lr=self.policy.optimizer.param_groups[0]["lr"], step_time_s=elapsed,
-                       trained_tokens=int(batch.loss_mask.sum()), tokens_per_s=int(batch.loss_mask.sum()) / elapsed)
+                       trained_tokens=share.valid_tokens, tokens_per_s=share.valid_tokens / elapsed)
         return metrics
 
     def _add_reference_logprobs(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
@@ -154,12 +165,13 @@ class PolicyTrainer:
         return out
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+    def compute_logprobs(self, batch: TrainBatch | packing.BatchShare, reference: bool = False) -> torch.Tensor:
         """Log-probs of tokens[:, 1:] under the current policy (or, with `reference`, the reference model),
         [N, L-1], on every trainer rank (on the host: gathered as Python objects)."""
         from megatron.core import parallel_state as ps
 
-        microbatches = self._microbatches(batch, forward_only=True)
+        share = self.share(batch, forward_only=True)
+        microbatches = self._microbatches(share)
         if reference:
             if self.reference is None:
                 raise ValueError("reference log-probs need a reference model (--kl-coef), and the trainer has none")
@@ -171,8 +183,8 @@ class PolicyTrainer:
         local = _share_from_last_stage(local)
         gathered: list[Any] = [None] * ps.get_data_parallel_world_size()
         dist.all_gather_object(gathered, local, group=ps.get_data_parallel_group())
-        width = batch.tokens.shape[1] - 1
-        result = torch.zeros((len(batch), width), dtype=torch.float32)
+        width = share.width
+        result = torch.zeros((share.size, width), dtype=torch.float32)
         for rows, lp in (part for rank in gathered for part in rank):
             result[rows, :min(width, lp.shape[1])] = lp[:, :width]  # without any sequence-parallel padding
         return result
