@@ -3,82 +3,23 @@ against the world size and the model, Megatron-Core's TransformerConfig checks, 
 checkpoint), the rank map, memory per GPU for trainer and generators, and the DDMA estimate. It checks the
 launch, not this machine: Transformer Engine or GPUs need not be here.
 
-Memory per GPU (weights, gradients and optimizer state; activations and the KV cache depend on batch and
-sequence and are not included): the busiest trainer rank (the maximum over every pipeline stage, TP rank and, with
-expert parallelism, the data-parallel ranks that hold different experts; exact shards from the layout mapping,
-vocabulary padding included, and only the rank's own experts) holds its weights (2 bytes in bf16, 4 in fp32), fp32
-gradients (4) and Adam's fp32 main weights and two moments (12 in bf16, 8 in fp32). With the distributed optimizer
-the latter are split over the data-parallel group: DP ranks for the dense parameters, and for the experts the
-expert-data-parallel group of Megatron-Core, TP x DP / (EP x ETP) ranks (the ranks that hold the same expert
-shard). With --kl-coef, also the frozen reference model's weights (the same shard, in the same dtype). A generator
-TP rank (the busiest one, its experts only with --rollout-expert-parallel-size) holds its runtime weights: 1 byte
-per parameter of block-FP8 linear weights (plus their scales) and 2 bytes for the rest.
+Memory per GPU: weights, gradients, optimizer state and activations of the busiest trainer rank, and each generator
+rank's weights, with the GPUs that hold them (`config.memory` says how each is estimated and how well).
 """
 
 from __future__ import annotations
 
 import json
-import math
 
+from megatron_rl.config.memory import (
+    FIT_FRACTION,
+    GPUS,
+    MicroBatchShape,
+    expert_data_parallel_size,
+    generator_memory,
+    trainer_memory,
+)
 from megatron_rl.ddma import full_experts_baseline, gather_broadcast_baseline, summarize
-from megatron_rl.models import weight_map
-from megatron_rl.models.fp8 import is_fp8_weight, scale_shape
-from megatron_rl.models.parallelism import TrainerLayout
-
-GIB = 2**30
-
-
-def is_expert_param(megatron_name: str) -> bool:
-    """A Megatron expert weight (local spec `mlp.experts.local_experts.j.*`, Transformer Engine's grouped GEMM
-    `mlp.experts.linear_fc1.weightj`); the router is replicated and counts as dense."""
-    return ".mlp.experts." in megatron_name
-
-
-def expert_data_parallel_size(layout: TrainerLayout) -> int:
-    """Megatron-Core's expert-data-parallel size: the ranks of a stage holding the same expert shard."""
-    return layout.tensor_parallel_size * layout.data_parallel_size // (layout.expert_model_parallel_size
-                                                                       * layout.expert_tp)
-
-
-def trainer_memory(spec, layout: TrainerLayout, bf16: bool, distributed_optimizer: bool,
-                   reference: bool = False) -> dict:
-    weight_bytes, adam_bytes = (2, 12) if bf16 else (4, 8)
-    dp, edp = layout.data_parallel_size, expert_data_parallel_size(layout)
-    busiest = None
-    # Every stage and TP rank; with experts also the DP ranks that hold different ones (EP ranks repeat after
-    # expert_replica_span data-parallel ranks).
-    for pp in range(layout.pipeline_parallel_size):
-        for dp_rank in range(layout.expert_replica_span if spec.is_moe else 1):
-            for tp in range(layout.tensor_parallel_size):
-                shards = weight_map.megatron_shards(spec, layout, tp, pp, dp_rank)
-                experts = sum(s.numel for n, s in shards.items() if is_expert_param(n))
-                dense = sum(s.numel for s in shards.values()) - experts
-                optimizer = (dense * adam_bytes / dp + experts * adam_bytes / edp if distributed_optimizer
-                             else (dense + experts) * adam_bytes)
-                params = dense + experts
-                total = params * (weight_bytes + 4 + (weight_bytes if reference else 0)) + optimizer
-                if busiest is None or total > busiest[0]:
-                    busiest = (total, params, experts, optimizer, (pp, tp, dp_rank))
-    total, params, experts, optimizer, (pp, tp, dp_rank) = busiest
-    weights = params * weight_bytes
-    reference_weights = weights if reference else 0
-    return {"params": params, "expert_params": experts, "rank": layout.rank(dp_rank, pp, tp),
-            "expert_data_parallel": edp, "weights_gib": weights / GIB, "grads_gib": params * 4 / GIB,
-            "optimizer_gib": optimizer / GIB, "reference_gib": reference_weights / GIB, "total_gib": total / GIB}
-
-
-def generator_memory(spec, tp: int, fp8: bool, ep: int = 1) -> dict:
-    busiest = None
-    for rank in range(tp):
-        shards = weight_map.sglang_shards(spec, tp, rank, ep)
-        params = sum(s.numel for s in shards.values())
-        quantized = {n: s for n, s in shards.items() if fp8 and is_fp8_weight(n)}
-        fp8_params = sum(s.numel for s in quantized.values())
-        scales = sum(math.prod(scale_shape(s.shape)) for s in quantized.values())
-        total = fp8_params + scales * 4 + (params - fp8_params) * 2
-        if busiest is None or total > busiest["weights_gib"] * GIB:
-            busiest = {"params": params, "weights_gib": total / GIB, "tp_rank": rank}
-    return busiest
 
 
 def dry_run(args, world_size: int) -> dict:
@@ -148,7 +89,7 @@ def dry_run(args, world_size: int) -> dict:
         },
         "memory_per_gpu": {
             "trainer": trainer_memory(spec, trainer, args.bf16, args.use_distributed_optimizer,
-                                      reference=args.kl_coef > 0),
+                                      reference=args.kl_coef > 0, shape=MicroBatchShape.from_args(args)),
             "generator": generator_memory(spec, gtp, generator.fp8, generator.expert_parallel_size),
         },
         "ddma": ddma,
@@ -192,7 +133,8 @@ def main(args) -> int:
     print(f"generator replicas: {g['replicas']} x TP={g['tensor_parallel']}{gexperts}"
           f"{' FP8' if g['fp8'] else ''}, ranks {g['ranks']}")
     mt = m["trainer"]
-    print(f"memory per GPU: trainer {mt['total_gib']:.1f} GiB (weights {mt['weights_gib']:.1f}, "
+    print(f"memory per GPU: trainer {mt['peak_gib']:.1f} GiB at its peak, {mt['total_gib']:.1f} GiB without "
+          f"activations (weights {mt['weights_gib']:.1f}, "
           f"grads {mt['grads_gib']:.1f}, optimizer {mt['optimizer_gib']:.1f}"
           + (f", KL reference weights {mt['reference_gib']:.1f}" if args.kl_coef > 0 else "")
           + f"; busiest rank {mt['rank']}: {mt['params'] / 1e9:.2f}B parameters"
@@ -202,8 +144,17 @@ def main(args) -> int:
     mb = report["micro_batches"]
     print("micro-batches: " + (f"packed, at most {mb['max_tokens_per_gpu']} tokens per GPU (log-prob passes "
                                f"{mb['log_probs_max_tokens_per_gpu']})" if mb["packed"] else
-                               f"{mb['micro_batch_size']} rollouts, each padded to its own longest")
-          + "; the memory above leaves out activations and log-prob temporaries")
+                               f"{mb['micro_batch_size']} rollouts, each padded to its own longest"))
+    recompute = args.recompute_granularity or "none"
+    print(f"activations: {mt['activations_gib']:.1f} GiB on stage {mt['stage']} ({mt['micro_batches_in_flight']} "
+          f"micro-batch(es) of {mt['tokens_per_micro_batch']} tokens in flight, recompute {recompute}, sequence "
+          f"parallel {'on' if args.sequence_parallel else 'off'}, logits and log-prob temporaries included); a "
+          f"forward-only pass {mt['forward_only_gib']:.1f} GiB")
+    fits = ", ".join(mt["fits"]) or "none of " + ", ".join(GPUS)
+    print(f"trainer fits (estimate <= {FIT_FRACTION:.0%} of memory): {fits}")
+    if len(mt["fits"]) < len(GPUS):
+        print("  less memory per GPU: --sequence-parallel, --recompute-granularity full, a smaller "
+              "--max-tokens-per-gpu (with --use-dynamic-batch-size) or --micro-batch-size, a larger TP or PP")
     d = report["ddma"]
     print(f"DDMA: {d['num_transfers']} transfers, {d['total_bytes'] / 1e9:.1f} GB, busiest GPU sends "
           f"{d['max_send_bytes'] / 1e9:.2f} GB / receives {d['max_recv_bytes'] / 1e9:.2f} GB, estimated "

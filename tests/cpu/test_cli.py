@@ -137,7 +137,7 @@ def test_dry_run_memory_for_8b_matches_hand_computation():
 
 
 def test_dry_run_memory_for_235b_holds_only_the_ranks_experts():
-    from megatron_rl.config.dry_run import trainer_memory
+    from megatron_rl.config.memory import trainer_memory
     from megatron_rl.config.setup import layouts
     from megatron_rl.models.spec import get_model_spec
     from megatron_rl.models.weight_map import megatron_shards
@@ -184,6 +184,10 @@ def test_example_scripts_parse_and_dry_run(script):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "memory per GPU" in r.stdout and "DDMA" in r.stdout and "trainer ranks" in r.stdout
     report = json.loads(r.stdout.strip().splitlines()[-1])
+    trainer = report["memory_per_gpu"]["trainer"]
+    if "tiny" not in report["model"]:  # a real model's script fits an 80 GB GPU at its longest micro-batch
+        assert "A100/H100 80GB" in trainer["fits"], (trainer, r.stdout[-3000:])
+        assert trainer["peak_gib"] > trainer["total_gib"] + trainer["activations_gib"] * 0.99
     if report["experts"]:  # the Qwen3 mixtures: active parameters, EP in the rank map, the expert comparison
         t, g = report["rank_map"]["trainer"], report["rank_map"]["generators"]
         assert report["active_parameters"] < report["parameters"]
