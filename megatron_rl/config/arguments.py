@@ -230,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-staleness", type=int,
                    help="max versions between trainer and oldest token (default 1; 0 with --async-mode off, K with "
                         "--controlled-lag K)")
+    g.add_argument("--staleness-control", choices=["discard", "admission"], default="discard",
+                   help="how --max-staleness is kept. discard (the default): the next step's prompts are dispatched "
+                        "ahead and a finished group whose oldest token is too old is dropped, which drops the long "
+                        "responses first. admission (AReaL's): at most (max staleness + 1) steps' prompts are in "
+                        "flight, and a step trains every group that would be too old at the next one, waiting for "
+                        "it: nothing is discarded as stale, at the cost of waiting for the long tail")
     g.add_argument("--controlled-lag", type=int, metavar="K",
                    help="train every batch exactly K weight versions after the one that generated it, to compare "
                         "off-policy corrections at a known lag: each step's prompts are generated synchronously "

@@ -17,6 +17,7 @@ import base64
 import dataclasses
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -108,15 +109,22 @@ class RolloutBuffer:
     def pending(self) -> int:
         return sum(len(g) for g in self._groups.values())
 
+    def is_complete(self, prompt_id: str) -> bool:
+        return len(self._groups.get(prompt_id, ())) == self.group_size
+
     def take(self, num_groups: int, trainer_version: int, drop_uniform: bool | None = None,
-             oversample_left: int | None = None) -> Batch:
-        """Release up to `num_groups` complete groups (oldest first) after the gates. `drop_uniform=False`
-        keeps groups whose rewards are all equal (zero advantage) for this call; `oversample_left`: a group popped
-        after that many others in this call is kept even so (the step's --max-oversample is used up)."""
+             oversample_left: int | None = None, first: Sequence[str] = ()) -> Batch:
+        """Release up to `num_groups` complete groups after the gates: those of `first` that are complete, then
+        the others in the order they completed. `drop_uniform=False` keeps groups whose rewards are all equal
+        (zero advantage) for this call; `oversample_left`: a group popped after that many others in this call is
+        kept even so (the step's --max-oversample is used up)."""
         drop_uniform = self.drop_uniform_groups if drop_uniform is None else drop_uniform
         now = time.time()
         released, discards, lags, ages, rewards, outcomes = [], Counter(), [], [], [], []
-        ready = [p for p, g in self._groups.items() if len(g) == self.group_size][:num_groups]
+        leading = set(first)
+        complete = [p for p in first if self.is_complete(p)]
+        complete += [p for p in self._groups if self.is_complete(p) and p not in leading]
+        ready = complete[:num_groups]
         for earlier, prompt_id in enumerate(ready):
             group = sorted(self._groups.pop(prompt_id), key=lambda r: r.sample_index)
             lags += [r.oldest_version for r in group]

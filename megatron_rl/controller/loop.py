@@ -73,6 +73,7 @@ class Controller:
                           "top_p": args.rollout_top_p, "max_new_tokens": args.rollout_max_response_len,
                           "stop_token_ids": self.stop_token_ids}
         self.inflight: dict[str, dict] = {}  # RL prompts dispatched whose group has not left the buffer, by id
+        self.dispatch_versions: dict[str, int] = {}  # the weight version each of them was dispatched under
         self.held: deque[HeldBatch] = deque()  # --controlled-lag: collected batches waiting to be trained
         self.dispatched: Counter = Counter()  # prompt id -> times dispatched (each prompt exactly once)
         self.eval_sets = evaluation.eval_sets(args, self.source)
@@ -118,6 +119,7 @@ class Controller:
             if not is_eval and not resent:
                 self.dispatched[pid] += 1
                 self.inflight[pid] = problem
+                self.dispatch_versions[pid] = self.version
             prompt = self.encode_prompt(problem["prompt"])
             leader = self.leaders[self._next_leader % len(self.leaders)]
             self._next_leader += 1
@@ -127,6 +129,21 @@ class Controller:
                 by_leader[leader].append((rid, prompt, dict(params, seed=stable_seed(self.args.seed, rid)), meta))
         for leader, requests in by_leader.items():
             self.control.send(("requests", requests), leader)
+
+    def in_flight_target(self, taken: int, ahead: bool) -> int:
+        """RL prompts to keep in flight once a step has taken `taken` groups: the rest of its own and, when it
+        dispatches ahead, the next step's (--staleness-control admission: as many steps' as --max-staleness lets
+        every one of them be trained within that many versions of the weights it was dispatched under)."""
+        steps = 1 + (self.args.max_staleness if self.args.staleness_control == "admission" else 1) if ahead else 1
+        return steps * self.prompts_per_step - taken
+
+    def due(self) -> list[str]:
+        """--staleness-control admission: the prompts in flight (in dispatch order) that would be more than
+        --max-staleness versions old at the next step, which this step must train."""
+        if self.args.staleness_control != "admission":
+            return []
+        oldest = self.version - self.args.max_staleness
+        return [p for p in self.inflight if self.dispatch_versions.get(p, self.version) <= oldest]
 
     def top_up(self, target: int) -> None:
         """Keep `target` RL prompts in flight."""
@@ -176,6 +193,7 @@ class Controller:
                 "buffer": self.buffer.state_dict(), "inflight": self.inflight, "dispatched": dict(self.dispatched),
                 "skipped_steps": self.skipped_steps, "reward_failures": dict(self.reward_failures.counts),
                 "eval_history": self.eval_history, "controlled_lag": self.args.controlled_lag,
+                "dispatch_versions": self.dispatch_versions,
                 "held_batches": [b.to_dict() for b in self.held]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -183,6 +201,7 @@ class Controller:
         self.source.load_state_dict(state["source"])
         self.buffer.load_state_dict(state["buffer"])
         self.inflight, self.dispatched = state["inflight"], Counter(state["dispatched"])
+        self.dispatch_versions = state.get("dispatch_versions", {})  # absent in checkpoints before admission
         self.skipped_steps, self.reward_failures.counts = state["skipped_steps"], Counter(state["reward_failures"])
         self.eval_history = state.get("eval_history", [])  # absent in checkpoints of runs without evaluations
         self.held = deque(HeldBatch.from_dict(b) for b in state.get("held_batches", []))
@@ -251,20 +270,26 @@ class Controller:
         """The step's groups from the buffer, waiting for rollouts as needed. Dynamic sampling: groups without
         signal are replaced, up to --max-oversample x the step's prompts; past that uniform groups fill the batch."""
         P, ahead = self.prompts_per_step, self.is_async_step(step)
-        groups, seen = [], {"discards": Counter(), "lags": Counter(), "sampled_rewards": [], "ages": [], "outcomes": []}
+        groups, seen = [], {"discards": Counter(), "lags": Counter(), "sampled_rewards": [], "ages": [], "outcomes": [],
+                            "due_groups": 0}
         popped = 0
-        while len(groups) < P:
+        due = self.due()
+        seen["due_groups"] = len(due)
+        while len(groups) < P or due:
             left = max(self.args.max_oversample * P - popped, 0)
-            self.top_up(P - len(groups) + (P if ahead else 0))
-            while self.buffer.complete_groups() == 0:
+            self.top_up(self.in_flight_target(len(groups), ahead))
+            while self.buffer.complete_groups() == 0 or not all(map(self.buffer.is_complete, due)):
                 self.receive(times)
             while self.receive(times, block=False):  # and whatever else is scored already: one take per batch
                 pass
-            # however the groups arrived, at most max_oversample x P are popped before uniform ones are kept
-            batch = self.buffer.take(P - len(groups), self.version, oversample_left=left)
+            # however the groups arrived, at most max_oversample x P are popped before uniform ones are kept; every
+            # due group is taken, even past P (the window of in-flight prompts makes that rare)
+            batch = self.buffer.take(max(P - len(groups), len(due)), self.version, oversample_left=left, first=due)
             popped += batch.popped
             for r, _ in batch.outcomes:
                 self.inflight.pop(r.prompt_id, None)
+                self.dispatch_versions.pop(r.prompt_id, None)
+            due = [p for p in due if p in self.inflight]
             groups += batch.groups
             seen["discards"].update(batch.discards)
             seen["lags"].update(batch.lag_histogram)
@@ -299,8 +324,8 @@ class Controller:
         collect = self.collect if self.args.controlled_lag is None else self.collect_held
         groups, seen = collect(step, times)
         self.rollout_log.outcomes(step, self.version, seen["outcomes"])
-        if ahead:
-            self.top_up(self.prompts_per_step)  # the next step's prompts generate while this step trains
+        if ahead:  # the next step's prompts generate while this step trains
+            self.top_up(self.in_flight_target(min(len(groups), self.prompts_per_step), ahead))
         t = time.perf_counter()
         train_metrics = self.trainer.command("train", self.make_batch(groups))
         times.train_s = time.perf_counter() - t

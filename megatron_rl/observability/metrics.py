@@ -174,6 +174,7 @@ def step_metrics(rollouts: list, seen: dict, train: dict, times: StepTimes, tota
             **lag_summary(dict(seen["lags"])),
             "age_s": sum(seen["ages"]) / max(len(seen["ages"]), 1),  # wall time from dispatch to consumption
             "discards": dict(seen["discards"]),
+            "due_groups": seen.get("due_groups", 0),  # --staleness-control admission: trained before too old
             "discards_by_length": discards_by_length(seen["outcomes"]),
             "reward_failures": reward_failures,
             "generator_restarts": totals["engine_restarts"],

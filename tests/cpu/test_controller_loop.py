@@ -50,13 +50,14 @@ class ScriptedGenerator(threading.Thread):
     the right answer and even ones a wrong one; every token carries the current weight version, except that the
     first `stale_prompts` RL prompts get tokens 2 versions old. Records every request id it served.
     `version_logprobs`: each token's behavior log-prob is -1 - its version (else -1), so that a trained batch
-    shows which version generated each of its rows."""
+    shows which version generated each of its rows. `slow_after`: the first RL prompt is a long generation, its group
+    sent only after that many other groups (tokens of the version it was requested under)."""
 
     def __init__(self, control: LocalChannel, rollouts: LocalChannel, stale_prompts: int = 0,
-                 version_logprobs: bool = False):
+                 version_logprobs: bool = False, slow_after: int | None = None):
         super().__init__(daemon=True)
         self.control, self.rollouts, self.stale_prompts = control, rollouts, stale_prompts
-        self.version_logprobs = version_logprobs
+        self.version_logprobs, self.slow_after, self.held = version_logprobs, slow_after, None
         self.version, self.served, self.syncs, self.prompts = -1, [], [], []
 
     def run(self):
@@ -82,7 +83,15 @@ class ScriptedGenerator(threading.Thread):
                     out = RolloutOutput(rid, prompt, tokens, [logprob] * len(tokens), [version] * len(tokens), "stop")
                     groups.setdefault(meta.group, []).append((out, meta))
                 for group in groups.values():
+                    if self.slow_after is not None and group[0][1].prompt_id == self.prompts[0] and self.held is None:
+                        self.held = group
+                        continue
                     self.rollouts.queue.put((("rollouts", (group, {"tokens": 1})), LEADER))
+                    if self.held and not group[0][1].is_eval:
+                        self.slow_after -= 1
+                        if self.slow_after == 0:
+                            self.rollouts.queue.put((("rollouts", (self.held, {"tokens": 1})), LEADER))
+                            self.held = []
 
 
 class RecordingTrainer:
@@ -114,13 +123,13 @@ def _consumed_rows(out_dir) -> list[dict]:
     return [r for r in rows if r["event"] in ("trained", "discarded")]
 
 
-def _controller(tmp_path, *flags, stale_prompts=0, reward="reward_exact", version_logprobs=False):
+def _controller(tmp_path, *flags, stale_prompts=0, reward="reward_exact", version_logprobs=False, slow_after=None):
     args = parse_args(["--global-batch-size", "8", "--n-samples-per-prompt", "4", "--custom-rm-path",
                        f"{REWARDS}:{reward}", "--reward-num-workers", "1", "--reward-timeout", "60",  # a busy machine
                        "--output-dir", str(tmp_path), "--eval-size", "4", *flags])
     setup = RunSetup(args, TOKENIZER, model_spec(args, TOKENIZER), TrainerLayout(), GeneratorLayout(first_rank=1))
     control, rollouts = LocalChannel(), LocalChannel()
-    generator = ScriptedGenerator(control, rollouts, stale_prompts, version_logprobs)
+    generator = ScriptedGenerator(control, rollouts, stale_prompts, version_logprobs, slow_after)
     generator.start()
     trainer = RecordingTrainer()
     # The controller sends to the generator through `control`; the generator answers through `rollouts`.
@@ -183,6 +192,24 @@ def test_discards_are_counted_by_reason_in_the_metrics(tmp_path):
     _finish(controller, generator)
     # 2 groups of stale samples, then 2 uniform groups dropped before the oversampling limit; counted per sample
     assert metrics["rollout"]["discards"] == {"stale": 8, "group rewards all equal": 8}
+
+
+@pytest.mark.parametrize("control", ["discard", "admission"])
+def test_admission_control_trains_a_long_generation_that_the_gate_would_discard(tmp_path, control):
+    # Prompt 0's group comes back after 4 others: after the step-2 dispatch (prompts 4 and 5, under version 1).
+    controller, generator, trainer = _controller(tmp_path, "--async-mode", "on", "--max-staleness", "1",
+                                                 "--staleness-control", control, slow_after=4)
+    metrics = [controller.rl_step(step, 0.0) for step in (1, 2, 3)]
+    _finish(controller, generator)
+    slow = generator.prompts[0]
+    outcome = {r["prompt_id"]: r["outcome"] for r in _consumed_rows(tmp_path)}
+    if control == "discard":  # step 2 takes the groups that came back first; at step 3 prompt 0 is 2 versions old
+        assert outcome[slow].startswith("stale") and metrics[2]["rollout"]["discards"] == {"stale": 4}
+    else:  # step 2 (version 1) waits for it: at step 3 it would be too old
+        assert outcome[slow] == "trained" and metrics[1]["rollout"]["due_groups"] == 2
+        assert all(not m["rollout"]["discards"] for m in metrics)
+        assert metrics[1]["rollout"]["staleness_histogram"] == {"1": 8}  # both version-0 groups, at lag 1
+    assert all(len(batch) == 8 for batch in trainer.trained())
 
 
 def test_groups_without_signal_are_replaced_up_to_the_oversampling_limit(tmp_path):
