@@ -21,6 +21,8 @@ launch() {
         fi
         local timeout_s
         timeout_s=$(rendezvous_timeout_s "$@") || return
+        # a signal to torchrun (a scheduler's, --exit-signal-handler) leaves the workers this long to save and exit
+        export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
         torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --rdzv-conf "timeout=$timeout_s" \
             -m megatron_rl.train "$@"
@@ -124,7 +126,8 @@ run_aipo() {
     local out=${OUTPUT_DIR:-outputs/${name}_aipo}
 
     local model_and_layout_args=(--config "$config" --rollout-num-replicas "$replicas")
-    local checkpoint_args=(--load-hf "$hf" --save "$ckpt" --save-interval 20)
+    # --load = --save: a requeued or resubmitted job resumes from its latest checkpoint, a new one starts from $hf
+    local checkpoint_args=(--load-hf "$hf" --save "$ckpt" --load "$ckpt" --save-interval 20 --exit-signal-handler)
     local data_args=(--prompt-data "$data" --tokenizer "$tokenizer" --reward-fn math --reward-num-workers 16)
     local rl_args=(--loss aipo --async-mode on --advantage-estimator group-baseline --train-iters 500
                    --rollout-temperature 1.0 --rollout-top-p 1.0)

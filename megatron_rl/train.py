@@ -33,10 +33,12 @@ def run(args) -> None:
     from megatron_rl.config.setup import build_run_setup
     from megatron_rl.runtime.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
     from megatron_rl.runtime.device import select_device
+    from megatron_rl.runtime.early_exit import EarlyExit
     from megatron_rl.runtime.lifetime import reap_when_gone
     from megatron_rl.runtime.roles import init_roles
 
     setup = build_run_setup(args, int(os.environ.get("WORLD_SIZE", "1")))
+    early_exit = EarlyExit.from_args(args)  # every rank: the signal only stops the controller, which stops the rest
     reap_when_gone()  # whatever this rank starts from here on dies with it
     # A generator rank of an SGLang replica computes nothing itself: its server has the replica's GPUs, and DDMA
     # lands in the rank's host memory, which the server copies from (see docs/sglang.md).
@@ -59,7 +61,8 @@ def run(args) -> None:
                 setup.tokenizer.save_pretrained(os.path.join(args.output_dir, "tokenizer"))
                 leaders = [setup.generator.rank(r, 0) for r in range(setup.generator.num_replicas)]
                 controller = Controller(setup, trainer, Channel(roles.sync_group, TAG_CONTROL),
-                                        Channel(roles.sync_group, TAG_ROLLOUTS, senders=leaders), leaders)
+                                        Channel(roles.sync_group, TAG_ROLLOUTS, senders=leaders), leaders,
+                                        early_exit)
                 controller.run()
                 controller.shutdown()
             finally:

@@ -100,6 +100,38 @@ def load_rl_checkpoint(directory: str, trainer) -> dict:
     return state
 
 
+def resume_or_start(args, clean: bool = True) -> None:
+    """--load DIR that holds no checkpoint yet (a job's first launch, or one killed before its first save completed)
+    starts a new run: from --load-hf / --load-megatron's weights, or from the model's initialization when DIR is
+    also --save (the same command then serves every launch of a job). `args.load` becomes None and, with `clean`,
+    the leftovers of an interrupted save (`iter_N.partial`) are removed. Without either, it is an error naming both
+    ways out. A DIR with a checkpoint is resumed; the initial weights' flags are then not read."""
+    directory = args.load
+    if not directory or saved_iterations(directory) or any(  # a resume, or the error latest_checkpoint_step gives
+            os.path.isfile(os.path.join(directory, name)) for name in (TRACKER_FILE, META_FILE)):
+        if directory and (args.load_hf or args.load_megatron) and is_first_process():
+            flag = "--load-hf" if args.load_hf else "--load-megatron"
+            print(f"[megatron-rl] --load {directory}: resuming its latest checkpoint; {flag} (the initial weights) "
+                  "is not read", flush=True)
+        return
+    initial = "--load-hf" if args.load_hf else "--load-megatron" if args.load_megatron else None
+    same = bool(args.save) and os.path.realpath(args.save) == os.path.realpath(directory)
+    if initial is None and not same:
+        raise ValueError(f"--load {directory!r}: no checkpoint to resume ({TRACKER_FILE}); to start a new run when "
+                         "there is none, also pass the initial weights (--load-hf or --load-megatron) or --save "
+                         "the same directory")
+    leftovers = sorted(n for n in (os.listdir(directory) if os.path.isdir(directory) else [])
+                       if n.startswith("iter_") and n.endswith((PARTIAL, DELETING)))
+    if clean and is_first_process():
+        for name in leftovers:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    if is_first_process():
+        source = f"{initial} {args.load_hf or args.load_megatron}" if initial else "the model's initialization"
+        removed = f"; removed {', '.join(leftovers)} (a save that did not complete)" if leftovers and clean else ""
+        print(f"[megatron-rl] --load {directory}: no checkpoint yet, a new run from {source}{removed}", flush=True)
+    args.load = None
+
+
 def iteration_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"iter_{step:07d}")
 

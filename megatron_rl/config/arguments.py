@@ -19,6 +19,7 @@ from megatron_rl.config.validation import validate
 from megatron_rl.models.parallelism import MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
 from megatron_rl.rollout import ENGINE_BACKENDS, collect_server_flags
+from megatron_rl.runtime.early_exit import SIGNALS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "message list ending with the assistant's answer); default: the arithmetic task's answers")
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--load", help="resume from this megatron-rl checkpoint directory (written by --save)")
+    g.add_argument("--load", help="resume from this megatron-rl checkpoint directory (written by --save). When it "
+                                  "holds none yet, a new run starts from --load-hf / --load-megatron, or from the "
+                                  "model's initialization when it is also --save: one command for every launch of a "
+                                  "job (a requeue resumes it)")
     g.add_argument("--load-hf", help="initial policy weights from an HF checkpoint directory")
     g.add_argument("--ref-load",
                    help="with --kl-coef: the reference policy's weights, an HF checkpoint directory or Megatron "
@@ -158,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tracker names is always kept; also removes iter_N.partial left by crashed saves); "
                         "default: keep all. HF exports (--save-hf, --save-hf-interval) are outputs and are never "
                         "deleted: bound their number with --save-hf-interval")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal, finish the step, save a checkpoint (with --save) and exit; a requeued job "
+                        "with --load = --save resumes from it")
+    g.add_argument("--exit-signal", choices=SIGNALS, default="SIGTERM",
+                   help="the signal of --exit-signal-handler")
+    g.add_argument("--exit-duration-in-mins", type=float, metavar="MIN",
+                   help="after the first step past this many minutes, save a checkpoint (with --save) and exit: set "
+                        "it below a scheduler's time limit")
     g.add_argument("--save-hf", metavar="DIR",
                    help="write the policy as HF checkpoints DIR/iter_NNNNNNN/ (config, safetensors, tokenizer, "
                         "generation config) at the end of the run and every --save-hf-interval steps "

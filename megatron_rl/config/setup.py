@@ -187,6 +187,7 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     from megatron_rl.rewards.registry import reward_factory
     from megatron_rl.rollout import ENGINE_BACKENDS
 
+    rl_checkpoint.resume_or_start(args, clean=not getattr(args, "dry_run", False))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args)
     spec = model_spec(args, tokenizer)
     trainer, generator = layouts(args, world_size)

@@ -50,13 +50,16 @@ from megatron_rl.observability.metrics import (
 from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rollout.types import RequestMeta
+from megatron_rl.runtime.early_exit import EarlyExit
 from megatron_rl.trainer.batch import TrainBatch
 
 
 class Controller:
-    def __init__(self, setup: RunSetup, trainer, control, rollouts, leaders: list[int]):
+    def __init__(self, setup: RunSetup, trainer, control, rollouts, leaders: list[int],
+                 early_exit: EarlyExit | None = None):
         """`trainer.command(name, payload)` runs a command on every trainer rank; `control.send(message, rank)`
-        reaches a generator leader; `rollouts.recv()` gives the generators' messages."""
+        reaches a generator leader; `rollouts.recv()` gives the generators' messages; `early_exit` says when to
+        stop before --train-iters (with a checkpoint)."""
         args = setup.args
         self.args, self.spec, self.layout, self.tokenizer = args, setup.spec, setup.trainer, setup.tokenizer
         self.trainer, self.control, self.leaders = trainer, control, leaders
@@ -94,6 +97,7 @@ class Controller:
         self.version, self.consumed, self.skipped_steps, self.consecutive_skips = -1, 0, 0, 0
         self.step = 0  # the RL step under way (0 before the first)
         self.reward_failures = RewardFailures(args.max_consecutive_reward_failures)
+        self.early_exit = early_exit or EarlyExit()
         self._next_leader = self._stopped = 0
         os.makedirs(args.output_dir, exist_ok=True)
         if args.load:
@@ -217,6 +221,12 @@ class Controller:
             self.rollout_log.resent(step, pid, samples)
         print(f"resumed at step {step}: {self.buffer.pending()} buffered rollouts kept, "
               f"{sum(map(len, lost.values()))} in-flight samples of {len(lost)} prompts generated again", flush=True)
+
+    def save_checkpoint(self, step: int) -> None:
+        rl_checkpoint.save_rl_checkpoint(self.args.save, step, self.trainer,
+                                         {"model": self.spec.weight_fields(), **self.state_dict(),
+                                          "transformer_impl": self.layout.transformer_impl},
+                                         keep_last=self.args.keep_last_n_checkpoints)
 
     def hf_export_dir(self) -> str:
         return self.args.save_hf or os.path.join(self.args.output_dir, "hf")
@@ -380,14 +390,20 @@ class Controller:
             if self.eval_sets and (args.eval_interval and step % args.eval_interval == 0 or step == args.train_iters):
                 metrics["eval"] = self.evaluate(step)
             self.logger.log(step, metrics)
-            if args.save and args.save_interval and step % args.save_interval == 0:
-                rl_checkpoint.save_rl_checkpoint(args.save, step, self.trainer,
-                                                 {"model": self.spec.weight_fields(), **self.state_dict(),
-                                                  "transformer_impl": self.layout.transformer_impl},
-                                                 keep_last=args.keep_last_n_checkpoints)
+            saved = bool(args.save and args.save_interval and step % args.save_interval == 0)
+            if saved:
+                self.save_checkpoint(step)
             if self.hf_export_due(step):
                 self.trainer.command("save_hf", rl_checkpoint.iteration_dir(self.hf_export_dir(), step))
             progress.update(step, console_fields(metrics))
+            reason = self.early_exit.reason()
+            if reason is not None:
+                if args.save and not saved:
+                    self.save_checkpoint(step)
+                print(f"[megatron-rl] step {step}: {reason}: stopping"
+                      + (f", checkpoint of step {step} in {args.save}" if args.save else " (no --save: nothing saved)"),
+                      flush=True)
+                break
         progress.close()
         write_json(os.path.join(args.output_dir, "eval.json"), {
             **evaluation.report(self.eval_history, args.eval_n_samples, args.eval_temperature, self.eval_sets),

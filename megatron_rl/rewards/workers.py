@@ -46,9 +46,14 @@ class Outcome:
 
 
 def _worker_main(conn, warmup: Callable[[], None] | None) -> None:
+    import signal
+
+    from megatron_rl.runtime.early_exit import SIGNALS
     from megatron_rl.runtime.lifetime import die_with_parent
 
     die_with_parent()
+    for name in SIGNALS:  # a scheduler signals every process: the rank that started the worker decides, and it dies
+        signal.signal(getattr(signal, name), signal.SIG_IGN)  # with the rank (the pool kills it with SIGKILL)
     try:
         if warmup is not None:
             warmup()

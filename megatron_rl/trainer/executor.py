@@ -47,7 +47,7 @@ class TrainerExecutor:
         self.args, self.roles, self.spec = args, roles, spec
         parallel.initialize(layout, spec, seed=args.seed, device=roles.device)
         init = None
-        if args.load_hf or args.load_megatron:
+        if (args.load_hf or args.load_megatron) and not args.load:  # a resume reads the checkpoint's weights
             from megatron_rl.trainer.weights import load_weights_from
 
             flag, directory = ("--load-hf", args.load_hf) if args.load_hf else ("--load-megatron", args.load_megatron)

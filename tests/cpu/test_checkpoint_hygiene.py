@@ -300,3 +300,40 @@ def test_keep_last_n_checkpoints_is_validated(capsys):
             parse_args(argv)
         assert message in capsys.readouterr().err
     assert parse_args(["--save", "x", "--keep-last-n-checkpoints", "3"]).keep_last_n_checkpoints == 3
+
+
+# ---- --load on a directory without a checkpoint: resume or start ---------------------------------------------------
+
+def _load_args(load, save=None, load_hf=None, load_megatron=None):
+    import argparse
+
+    return argparse.Namespace(load=str(load), save=save and str(save), load_hf=load_hf, load_megatron=load_megatron)
+
+
+def test_a_load_without_a_checkpoint_starts_a_new_run_when_the_command_says_from_what(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000002.partial").mkdir(parents=True)  # the first save of a killed job
+    args = _load_args(ckpt, save=ckpt)
+    rl_checkpoint.resume_or_start(args, clean=False)  # a dry run: reported, nothing removed
+    assert args.load is None and (ckpt / "iter_0000002.partial").is_dir()
+    args = _load_args(ckpt, save=ckpt)
+    rl_checkpoint.resume_or_start(args)
+    assert args.load is None and not (ckpt / "iter_0000002.partial").exists()
+    assert "no checkpoint yet, a new run from the model's initialization; removed iter_0000002.partial" in \
+        capsys.readouterr().out
+    args = _load_args(tmp_path / "absent", load_hf="/models/hf")  # a job's first launch, the directory not made yet
+    rl_checkpoint.resume_or_start(args)
+    assert args.load is None and "a new run from --load-hf /models/hf" in capsys.readouterr().out
+
+
+def test_a_load_without_a_checkpoint_or_a_fallback_is_an_error_naming_the_ways_out(tmp_path):
+    with pytest.raises(ValueError, match=r"--load .*: no checkpoint to resume .*\(--load-hf or --load-megatron\) "
+                                         r"or --save the same directory"):
+        rl_checkpoint.resume_or_start(_load_args(tmp_path, save=tmp_path / "elsewhere"))
+
+
+def test_a_load_with_a_checkpoint_resumes_and_says_the_initial_weights_are_not_read(tmp_path, capsys):
+    (tmp_path / rl_checkpoint.TRACKER_FILE).write_text("4")
+    args = _load_args(tmp_path, save=tmp_path, load_hf="/models/hf")
+    rl_checkpoint.resume_or_start(args)
+    assert args.load == str(tmp_path) and "resuming its latest checkpoint; --load-hf" in capsys.readouterr().out

@@ -57,24 +57,51 @@ def _rows(path):
     return [json.loads(line) for line in open(path) if line.strip()]
 
 
+@pytest.mark.slow  # two launches of the tiny example (about 25 s here): the slow tier keeps the default suite short
+def test_a_sigterm_saves_a_checkpoint_that_the_same_command_resumes(tmp_path):
+    import signal
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    flags = ("--save", str(ckpt), "--load", str(ckpt), "--save-interval", "100", "--exit-signal-handler")
+    run, log = _start(out, *flags)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and any('"rollout"' in line for line in metrics.read_text().splitlines())):
+        assert run.poll() is None and time.monotonic() < deadline, open(log).read()[-3000:]
+        time.sleep(0.2)  # until the run's own file shows its first RL step
+    os.killpg(run.pid, signal.SIGTERM)  # every process of the launch, as a scheduler signals a job
+    run.wait(300)
+    _assert_nothing_left(run)
+    text = open(log).read()
+    step = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert f"SIGTERM received (--exit-signal-handler): stopping, checkpoint of step {step}" in text, text[-3000:]
+    assert 1 <= step < 8 and "held-out accuracy after RL" not in text
+    run, log = _start(out, *flags)  # the same command: resumes from that checkpoint and finishes
+    assert run.wait(600) == 0, open(log).read()[-3000:]
+    assert [r["step"] for r in _rows(out / "metrics.jsonl") if "rollout" in r] == list(range(1, 9))
+
+
 @pytest.fixture(scope="module")
 def crashed_and_resumed(tmp_path_factory):
     base = tmp_path_factory.mktemp("crash")
     out, ckpt = base / "out", base / "ckpt"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
+    # Every launch is the same command, --load = --save, as a requeued job's: the first one is killed while its
+    # first checkpoint is being written, so the second finds none and starts again from the beginning.
     save = ("--save", str(ckpt), "--save-interval", "2", "--save-hf-interval", "4",  # HF export: out/hf/iter_N
-            "--keep-last-n-checkpoints", "2")
+            "--keep-last-n-checkpoints", "2", "--load", str(ckpt))
+    _crash(out, "checkpoint-partial:2", *save)
+    assert (ckpt / "iter_0000002.partial").is_dir() and not tracker.exists()
     _crash(out, "checkpoint-saved:4", *save)  # killed right after the step-4 checkpoint became the latest
     assert tracker.read_text() == "4"
     state_at_4 = json.loads((ckpt / "iter_0000004" / "rl_state.json").read_text())
     # resume, and crash again in the middle of writing the step-6 checkpoint
-    _crash(out, "checkpoint-partial:6", *save, "--load", str(ckpt))
+    _crash(out, "checkpoint-partial:6", *save)
     assert (ckpt / "iter_0000006.partial" / "rl_state.json").exists() and not (ckpt / "iter_0000006").exists()
     tracker_after_mid_save_kill = tracker.read_text()
     for leftover in ("iter_0000003.partial", "iter_0000001.deleting"):  # of an older crashed save, and deletion
         (ckpt / leftover).mkdir()
         (ckpt / leftover / "common.pt").write_bytes(b"x")
-    run, log = _start(out, *save, "--load", str(ckpt))
+    run, log = _start(out, *save)
     assert run.wait(600) == 0, open(log).read()[-3000:]
     _assert_nothing_left(run)
     return out, state_at_4, tracker_after_mid_save_kill, open(log).read()
