@@ -15,6 +15,7 @@ its micro-batches (every DP rank's) of each micro-batch's own load-balancing los
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -199,25 +200,25 @@ def moe_aux_loss(policy: Policy, num_microbatches: int) -> float | None:
     return float(values.sum()) / (ps.get_data_parallel_world_size() * num_microbatches * num_layers)
 
 
-def grads_finite(policy: Policy) -> bool:
-    """True when every gradient on every trainer rank is finite: one check per contiguous grad buffer of
-    Megatron's DDP (every main_grad is a view into one), then one all-reduce over the trainer."""
-    local = all(bool(torch.isfinite(b.grad_data).all())
-                for b in policy.model.buffers + policy.model.expert_parallel_buffers)
-    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=policy.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def optimizer_step(policy: Policy) -> dict[str, float]:
-    """Apply the accumulated gradients, unless one of them is NaN/Inf on any trainer rank: then the step is
-    skipped (weights and optimizer state untouched, as Megatron does on a loss-scale overflow); megatron's
-    fp32 and bf16 optimizers have no such check of their own. Zeroes the grad buffers for the next step."""
-    if grads_finite(policy):
-        success, grad_norm, _ = policy.optimizer.step()
-    else:
-        success, grad_norm = False, None
+    """Apply the accumulated gradients, unless one of them is NaN/Inf on any trainer rank: then the step is skipped
+    (weights and optimizer state untouched, as Megatron does on a loss-scale overflow; megatron's fp32 and bf16
+    optimizers have no such check of their own). The check is the gradient norm that clipping computes anyway
+    (Megatron's grad-stats groups span every rank holding a different part of the gradients, so a NaN anywhere
+    makes it NaN everywhere), Megatron's own steps around it. Zeroes the grad buffers for the next step."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    optimizer = policy.optimizer
+    found_inf = optimizer.prepare_grads()  # bf16: the model's grads into the fp32 main grads
+    grad_norm = float(optimizer.get_grad_norm())
+    success = not found_inf and math.isfinite(grad_norm)
+    if success:
+        for part in getattr(optimizer, "chained_optimizers", [optimizer]):  # dense and expert parameters
+            params = part.get_parameters()
+            if params and part.config.clip_grad > 0.0:
+                clip_grad_by_total_norm_fp32(params, max_norm=part.config.clip_grad, total_norm=grad_norm,
+                                             use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        success = optimizer.step_with_ready_grads()
     policy.model.zero_grad_buffer()
     policy.optimizer.zero_grad()
-    return {"update_successful": bool(success),
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
+    return {"update_successful": bool(success), "grad_norm": grad_norm}
