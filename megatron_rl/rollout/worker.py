@@ -61,8 +61,8 @@ class GeneratorWorker:
                 msgs.append(m[0])
         if self.roles.rollout_tp > 1:
             box = [msgs]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.roles.replica_group, 0),
-                                       group=self.roles.replica_group)
+            group = self.roles.replica_control_group  # gloo: the other TP ranks wait in host memory
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
             msgs = box[0]
         return msgs
 

@@ -6,8 +6,10 @@ own default process group on a prefix of the launch's rendezvous store, so Megat
 trainer's ranks (its collectives, e.g. the optimizer's all_gather_object, never involve a generator), and
 each generator replica gets a TP group inside the generators' world. A separate gloo group spanning every
 rank carries the channels (and the DDMA transfers where they go through the CPU); its ranks are the global ranks.
-The roles' own groups use the backend of the rank's device (NCCL on GPUs); every rank's `DeviceId` is shared
-through the store so that DDMA can choose its transport (`ddma.transport.make_transport`).
+The roles' own groups use the backend of the rank's device (NCCL on GPUs) for tensors; what ranks wait for (a
+replica's control messages, like the trainer's commands) goes on gloo, so that no idle rank waits inside NCCL.
+Every rank's `DeviceId` is shared through the store so that DDMA can choose its transport
+(`ddma.transport.make_transport`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Roles:
     store: object | None = None  # the launch's rendezvous store (more groups over all ranks are made on it)
     timeout: datetime.timedelta = datetime.timedelta(minutes=30)
     replica_group: object | None = None  # this generator replica's TP group (generator ranks only)
+    replica_control_group: object | None = None  # the same ranks on gloo: the controller's messages, host side
 
     @property
     def is_trainer(self) -> bool:
@@ -81,7 +84,9 @@ def init_roles(trainer_world_size: int, rollout_tp: int, rollout_replicas: int,
     roles = Roles(rank, world, trainer_world_size, rollout_tp, rollout_replicas, sync, device, devices, store, timeout)
     if not roles.is_trainer:
         for r in range(rollout_replicas):  # new_group is collective over the generators' world
-            group = dist.new_group(list(range(r * rollout_tp, (r + 1) * rollout_tp)))
+            ranks = list(range(r * rollout_tp, (r + 1) * rollout_tp))
+            group = dist.new_group(ranks)
+            control = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if r == roles.replica:
-                roles.replica_group = group
+                roles.replica_group, roles.replica_control_group = group, control
     return roles

@@ -7,6 +7,11 @@ collective: Megatron's schedules, DDP and the optimizer run on every trainer ran
 a step's batch (train, sft, ref_logprobs) sends each rank only its data-parallel rank's share of it: rank 0 plans
 the micro-batches of the whole step and scatters the shares (`trainer.packing.split`).
 
+Commands travel on a gloo group of their own: the idle ranks wait in host memory, never inside NCCL, whose watchdog
+would end the job when an evaluation or a generation phase outlasts --distributed-timeout-minutes. Gloo bounds the
+wait too (a peer that vanished is noticed): while rank 0 sends no command, it sends a keep-alive every quarter of
+that timeout, so that only a peer silent for the whole timeout fails the run.
+
 DDMA sends are posted in the background after each optimizer step ("publish") and waited for just before the
 next optimizer step changes the parameters, so the trainer computes the next batch's forward and backward while
 generators receive.
@@ -14,6 +19,8 @@ generators receive.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +83,13 @@ class TrainerExecutor:
         self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
         self.version = -1  # the last weight version published
         self._dp_rank_of = self._data_parallel_ranks()  # by trainer rank: whom each batch share goes to
+        self.commands_group = dist.new_group(backend="gloo", timeout=roles.timeout) if dist.get_world_size() > 1 \
+            else None
+        self._sending = threading.Lock()  # one message at a time on commands_group: a command, or a keep-alive
+        self._last_sent, self._stopped = time.monotonic(), threading.Event()
+        if roles.is_controller and self.commands_group is not None:
+            threading.Thread(target=self._keep_alive, args=(roles.timeout.total_seconds() / 4,), daemon=True,
+                             name="trainer-keep-alive").start()
         self.handlers: dict[str, Callable[[Any], Any]] = {
             "train": self._train, "sft": self._sft, "publish": self._publish, "save": self._save, "load": self._load,
             "snapshot_reference": self._snapshot_reference, "ref_logprobs": self._ref_logprobs,
@@ -109,35 +123,61 @@ class TrainerExecutor:
             return self._execute(name, payload)
         batch = _batch_of(name, payload)
         if batch is None:
-            dist.broadcast_object_list([(name, payload)], src=0)
-            return self._execute(name, payload)
+            self._send((name, payload))
+            return self._execute_then_mark(name, payload)
         from megatron.core import parallel_state as ps
 
         shares = split_batch(batch, self.trainer.batching, ps.get_data_parallel_world_size(), BATCH_COMMANDS[name])
-        dist.broadcast_object_list([(name, _with_batch(payload, None))], src=0)
-        box = [None]
-        dist.scatter_object_list(box, [shares[d] for d in self._dp_rank_of], src=0)
-        return self._execute(name, _with_batch(payload, box[0]))
+        self._send((name, _with_batch(payload, None)), [shares[d] for d in self._dp_rank_of])
+        return self._execute_then_mark(name, _with_batch(payload, shares[self._dp_rank_of[0]]))
+
+    def _send(self, message, shares: list | None = None) -> None:
+        """Rank 0: broadcast `message` on the command group, then scatter `shares` (one per trainer rank)."""
+        with self._sending:
+            dist.broadcast_object_list([message], src=0, group=self.commands_group)
+            if shares is not None:
+                dist.scatter_object_list([None], shares, src=0, group=self.commands_group)
+            self._last_sent = float("inf")  # executing: the other ranks are busy too, no keep-alive
+
+    def _execute_then_mark(self, name: str, payload):
+        try:
+            return self._execute(name, payload)
+        finally:
+            self._last_sent = time.monotonic()
+
+    def _keep_alive(self, interval_s: float) -> None:
+        """Rank 0's thread: a keep-alive on the command group after every `interval_s` without a command."""
+        while not self._stopped.wait(interval_s / 4):
+            if time.monotonic() - self._last_sent >= interval_s:
+                with self._sending:
+                    if self._stopped.is_set():
+                        return
+                    dist.broadcast_object_list([("keep-alive", None)], src=0, group=self.commands_group)
+                    self._last_sent = time.monotonic()
 
     def serve(self) -> None:
         """Trainer ranks other than 0: execute rank 0's commands until it says "stop"."""
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self.commands_group)
             name, payload = box[0]
+            if name == "keep-alive":
+                continue
             if name == "stop":
                 self._finish_publish()
                 return
             if name in BATCH_COMMANDS:  # then this rank's share of the batch
                 share = [None]
-                dist.scatter_object_list(share, None, src=0)
+                dist.scatter_object_list(share, None, src=0, group=self.commands_group)
                 payload = _with_batch(payload, share[0])
             self._execute(name, payload)
 
     def stop(self) -> None:
         """Trainer rank 0: release the other ranks from `serve`."""
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list([("stop", None)], src=0)
+        if self.commands_group is not None:
+            with self._sending:
+                self._stopped.set()
+                dist.broadcast_object_list([("stop", None)], src=0, group=self.commands_group)
         self._finish_publish()
 
     def _execute(self, name: str, payload):

@@ -212,8 +212,11 @@ def test_moe_step_with_routing_replay_packed_equals_padded_and_its_balancing_los
 
 # ---- the trainer executor sends each DP rank only its share --------------------------------------------------------
 
-def _executor_rank():
+def _executor_rank(timeout_minutes: float = 30, idle_s: float = 0):
+    """DP=2 trainer ranks through the executor's commands, then a generator that idles. `idle_s`: rank 0 sends no
+    command for that long between two steps (an evaluation, say)."""
     import pickle
+    import time
 
     import torch.distributed as dist
 
@@ -224,8 +227,8 @@ def _executor_rank():
     flags = ["--model", "tiny-llama", "--seq-length", str(BUDGET), "--rollout-tensor-parallel-size", "1",
              "--global-batch-size", "8", "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(BUDGET),
              "--lr", "1e-2", "--output-dir", "unused"]
-    setup = build_run_setup(parse_args(flags), 3)  # DP=2 trainer ranks, then a generator that idles
-    roles = init_roles(setup.trainer.world_size, 1, 1)
+    setup = build_run_setup(parse_args(flags), 3)
+    roles = init_roles(setup.trainer.world_size, 1, 1, timeout_minutes=timeout_minutes)
     out = {}
     if roles.is_trainer:
         from megatron_rl.trainer.executor import TrainerExecutor
@@ -236,6 +239,9 @@ def _executor_rank():
         batch = _batch(setup.spec.vocab_size)
         if roles.is_controller:
             out["metrics"] = trainer.command("train", batch)
+            if idle_s:
+                time.sleep(idle_s)  # the long phase itself, not a wait for something
+                out["metrics_after_idle"] = trainer.command("train", batch)
             trainer.stop()
         else:
             trainer.serve()
@@ -259,3 +265,11 @@ def test_the_executor_sends_each_data_parallel_rank_only_its_share():
             assert torch.equal(getattr(got.batch, name), getattr(want.batch, name)), name
         sent, whole = rank["bytes"]
         assert sent < whole  # only its rows, trimmed to their own longest
+
+
+@pytest.mark.slow  # a 30 s idle phase: the slow tier keeps the default suite short
+def test_idle_trainer_ranks_outlast_the_process_group_timeout():
+    # 12 s timeouts for every group, a 30 s pause between two steps: the other trainer rank waits for its next
+    # command on the command group, kept alive by rank 0, and trains again
+    rank0 = run_on_ranks(_executor_rank, 3, 0.2, 30.0, backend=None, timeout_s=600)[0]
+    assert rank0["metrics"]["update_successful"] and rank0["metrics_after_idle"]["update_successful"]

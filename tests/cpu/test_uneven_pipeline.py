@@ -50,8 +50,8 @@ def _rank():
                                               [[-2.0] * 6] * 4, [1.0, -1.0, 0.5, -0.5])
             step_lrs = []  # the learning rate each optimizer step runs with
             optimizer = trainer.trainer.policy.optimizer
-            step = optimizer.step
-            optimizer.step = lambda: (step_lrs.append(optimizer.param_groups[0]["lr"]), step())[1]
+            step = optimizer.step_with_ready_grads  # the update itself (trainer.policy.optimizer_step calls it)
+            optimizer.step_with_ready_grads = lambda: (step_lrs.append(optimizer.param_groups[0]["lr"]), step())[1]
             trainer.command("sft", (batch, 0.05))  # a warm-up step at its own lr; RL must return to --lr
             metrics = trainer.command("train", batch)
             metrics["step_lrs"] = step_lrs
