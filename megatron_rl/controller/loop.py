@@ -51,6 +51,7 @@ from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rollout.types import RequestMeta
 from megatron_rl.runtime.early_exit import EarlyExit
+from megatron_rl.runtime.keep_alive import KeepAlive
 from megatron_rl.trainer.batch import TrainBatch
 
 
@@ -98,6 +99,11 @@ class Controller:
         self.step = 0  # the RL step under way (0 before the first)
         self.reward_failures = RewardFailures(args.max_consecutive_reward_failures)
         self.early_exit = early_exit or EarlyExit()
+        # generators with nothing to do wait for the next message at most --distributed-timeout-minutes, and this
+        # rank for their rollouts as long: a keep-alive to every leader, which each answers, when nothing was sent
+        self.keep_alive = KeepAlive(args.distributed_timeout_minutes * 60 / 4, lambda: control.last_sent,
+                                    lambda: [control.send(("keep-alive", None), leader) for leader in leaders],
+                                    name="generator-keep-alive")
         self._next_leader = self._stopped = 0
         os.makedirs(args.output_dir, exist_ok=True)
         if args.load:
@@ -417,6 +423,7 @@ class Controller:
     def shutdown(self) -> None:
         """Stop the generators, drop what they still send until each says it stopped, close the logs."""
         try:
+            self.keep_alive.stop()
             for leader in self.leaders:
                 self.control.send(("stop", None), leader)
             while self._stopped < len(self.leaders):

@@ -47,6 +47,8 @@ class RewardStage:
         try:
             while stopped < self.num_generators:
                 (kind, payload), source = self.channel.recv()
+                if kind == "alive":  # a generator's answer to a keep-alive: nothing to score
+                    continue
                 if kind == "stopped":
                     stopped += 1
                     self._scored.put(Scored("stopped", source, payload))

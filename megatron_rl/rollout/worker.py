@@ -1,7 +1,8 @@
 """The generator worker: one per generator rank, driving this rank's engine (from the backend registry).
 
 The replica's leader takes messages from the controller: "requests" (add them to the engine), "sync" (pause,
-receive the new weights by DDMA, continue), "stop". It shares them with the replica's other TP ranks, which
+receive the new weights by DDMA, continue), "keep-alive" (answered with "alive"),
+"stop". It shares them with the replica's other TP ranks, which
 make exactly the same engine calls (SPMD, as SGLang's TP schedulers do). Finished rollouts go back to the
 controller a group at a time: the controller can use only complete groups, and each message wakes a thread on
 the trainer's rank 0, so one message per engine step with complete groups beats one per finished sample.
@@ -83,6 +84,9 @@ class GeneratorWorker:
                 self.engine.continue_generation()
                 self.version = payload
                 self.stats["sync_s"] += time.perf_counter() - start
+            elif kind == "keep-alive":  # the controller had nothing to say for a while: answer, so that its wait for
+                if self.roles.is_leader:  # rollouts does not time out either
+                    self.rollouts.send(("alive", None), 0)
             elif kind == "stop":
                 if self.roles.is_leader:
                     self.rollouts.send(("stopped", dict(self.stats)), 0)

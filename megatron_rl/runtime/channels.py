@@ -16,6 +16,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,8 @@ class Channel:
         self._queues: dict[int | None, queue.Queue] = {}
         self._sent: queue.Queue | None = None
         self._send_error: BaseException | None = None  # the first failed send, raised by send() and flush()
+        self._send_lock = threading.Lock()  # a message's header and payload go out together, whatever the thread
+        self.last_sent = time.monotonic()  # when the last message was sent (for a `KeepAlive`)
 
     def send(self, obj: Any, dst: int) -> None:
         """Never blocks: a sender thread waits for each message's completion and then frees its buffers.
@@ -44,11 +47,13 @@ class Channel:
         self._raise_send_error()
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         header = torch.tensor([payload.numel()], dtype=torch.int64)
-        if self._sent is None:
-            self._sent = queue.Queue()
-            threading.Thread(target=self._complete_sends, daemon=True, name=f"channel-{self.tag}-sender").start()
-        self._sent.put((self.group.send([header], dst, self.tag), header, dst))
-        self._sent.put((self.group.send([payload], dst, self.tag), payload, dst))
+        with self._send_lock:
+            if self._sent is None:
+                self._sent = queue.Queue()
+                threading.Thread(target=self._complete_sends, daemon=True, name=f"channel-{self.tag}-sender").start()
+            self._sent.put((self.group.send([header], dst, self.tag), header, dst))
+            self._sent.put((self.group.send([payload], dst, self.tag), payload, dst))
+            self.last_sent = time.monotonic()
 
     def _complete_sends(self) -> None:
         """Wait for each send in order; a failure is kept for the caller (and the queue still drained, so that

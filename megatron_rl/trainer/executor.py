@@ -34,6 +34,7 @@ from megatron_rl.config.setup import RunSetup, model_directory
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
 from megatron_rl.runtime import failpoints
+from megatron_rl.runtime.keep_alive import KeepAlive
 from megatron_rl.runtime.roles import Roles
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.export import ModelDescription, save_hf
@@ -86,10 +87,12 @@ class TrainerExecutor:
         self.commands_group = dist.new_group(backend="gloo", timeout=roles.timeout) if dist.get_world_size() > 1 \
             else None
         self._sending = threading.Lock()  # one message at a time on commands_group: a command, or a keep-alive
-        self._last_sent, self._stopped = time.monotonic(), threading.Event()
+        self._last_sent = time.monotonic()  # of rank 0's last command (infinity while it runs)
+        self.keep_alive = None
         if roles.is_controller and self.commands_group is not None:
-            threading.Thread(target=self._keep_alive, args=(roles.timeout.total_seconds() / 4,), daemon=True,
-                             name="trainer-keep-alive").start()
+            self.keep_alive = KeepAlive(roles.timeout.total_seconds() / 4, lambda: self._last_sent, lambda: (
+                dist.broadcast_object_list([("keep-alive", None)], src=0, group=self.commands_group)),
+                self._sending, name="trainer-keep-alive")
         self.handlers: dict[str, Callable[[Any], Any]] = {
             "train": self._train, "sft": self._sft, "publish": self._publish, "save": self._save, "load": self._load,
             "snapshot_reference": self._snapshot_reference, "ref_logprobs": self._ref_logprobs,
@@ -145,15 +148,6 @@ class TrainerExecutor:
         finally:
             self._last_sent = time.monotonic()
 
-    def _keep_alive(self, interval_s: float) -> None:
-        """Rank 0's thread: a keep-alive on the command group after every `interval_s` without a command."""
-        while not self._stopped.wait(interval_s / 4):
-            if time.monotonic() - self._last_sent >= interval_s:
-                with self._sending:
-                    if self._stopped.is_set():
-                        return
-                    dist.broadcast_object_list([("keep-alive", None)], src=0, group=self.commands_group)
-                    self._last_sent = time.monotonic()
 
     def serve(self) -> None:
         """Trainer ranks other than 0: execute rank 0's commands until it says "stop"."""
@@ -175,8 +169,8 @@ class TrainerExecutor:
     def stop(self) -> None:
         """Trainer rank 0: release the other ranks from `serve`."""
         if self.commands_group is not None:
+            self.keep_alive.stop()
             with self._sending:
-                self._stopped.set()
                 dist.broadcast_object_list([("stop", None)], src=0, group=self.commands_group)
         self._finish_publish()
 

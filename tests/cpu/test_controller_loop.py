@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -34,9 +35,11 @@ class LocalChannel:
 
     def __init__(self):
         self.queue: queue.Queue = queue.Queue()
+        self.last_sent = 0.0
 
     def send(self, message, dst):
         self.queue.put((message, dst))
+        self.last_sent = time.monotonic()
 
     def recv(self, src=None):
         return self.queue.get(timeout=30)

@@ -178,6 +178,8 @@ def test_the_controller_sends_templated_prompts_with_every_stop_token(hf_dir, tm
     sent = []
 
     class Control:
+        last_sent = 0.0  # read by the controller's keep-alive
+
         def send(self, message, rank):
             sent.append(message)
 

@@ -1,0 +1,41 @@
+"""Keep-alives for ranks that wait: every wait on a peer is bounded by --distributed-timeout-minutes (a peer that
+vanished must be noticed), so a rank that has nothing to say for that long says "keep-alive" instead.
+
+`KeepAlive` runs a thread that calls `send()` whenever `last_sent()` (the time of the sender's last real message,
+`time.monotonic()`; infinity while the peers are known to be busy with it) is more than `interval_s` ago.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class KeepAlive:
+    def __init__(self, interval_s: float, last_sent: Callable[[], float], send: Callable[[], None],
+                 lock: threading.Lock | None = None, name: str = "keep-alive"):
+        """`lock`: held around each `send()` (the sender's own messages take it too, so that the two never
+        interleave)."""
+        self.interval_s, self.last_sent, self.send = interval_s, last_sent, send
+        self.lock = lock or threading.Lock()
+        self._stopped, self._last = threading.Event(), time.monotonic()
+        threading.Thread(target=self._run, daemon=True, name=name).start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s / 4):
+            now = time.monotonic()
+            if now - max(min(self.last_sent(), now), self._last) >= self.interval_s:
+                with self.lock:
+                    if self._stopped.is_set():
+                        return
+                    try:
+                        self.send()
+                    except Exception:  # noqa: BLE001 - a lost peer: the sender's own next message says so
+                        return
+                    self._last = time.monotonic()
+
+    def stop(self) -> None:
+        """No keep-alive after this returns."""
+        with self.lock:
+            self._stopped.set()
