@@ -16,7 +16,7 @@ import pathlib
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS
 from megatron_rl.algorithms.losses import add_loss_arguments
 from megatron_rl.config.validation import validate
-from megatron_rl.models.parallelism import MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
+from megatron_rl.models.parallelism import KERNEL_FUSIONS, MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
 from megatron_rl.rollout import ENGINE_BACKENDS, collect_server_flags
 from megatron_rl.runtime.early_exit import SIGNALS
@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-method", choices=["uniform", "block"],
                    help="with --recompute-granularity full: which layers (Megatron-LM's meaning)")
     g.add_argument("--recompute-num-layers", type=int, help="layers per recomputed unit (uniform) or per stage (block)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: accumulate and reduce gradients in bf16 (Megatron-LM's flag; default fp32, as "
+                        "Megatron-LM does for bf16): half the gradient memory, less precise sums at large DP")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce each bucket of gradients over DP as soon as the last backward has filled it, "
+                        "overlapped with the rest of that backward (Megatron's DDP)")
+    for flag, field in KERNEL_FUSIONS.items():
+        g.add_argument(flag, dest=field, action="store_false",
+                       help=f"turn off TransformerConfig's {field} (on by default on GPUs with --transformer-impl "
+                            "transformer_engine; the local spec and CPUs run none)")
 
     g = p.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=1e-3)

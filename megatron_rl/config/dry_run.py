@@ -89,7 +89,8 @@ def dry_run(args, world_size: int) -> dict:
         },
         "memory_per_gpu": {
             "trainer": trainer_memory(spec, trainer, args.bf16, args.use_distributed_optimizer,
-                                      reference=args.kl_coef > 0, shape=MicroBatchShape.from_args(args)),
+                                      reference=args.kl_coef > 0, shape=MicroBatchShape.from_args(args),
+                                      grad_bytes=2 if args.bf16 and args.grad_reduce_in_bf16 else 4),
             "generator": generator_memory(spec, gtp, generator.fp8, generator.expert_parallel_size),
         },
         "ddma": ddma,
@@ -152,7 +153,7 @@ def main(args) -> int:
           f"forward-only pass {mt['forward_only_gib']:.1f} GiB")
     fits = ", ".join(mt["fits"]) or "none of " + ", ".join(GPUS)
     print(f"trainer fits (estimate <= {FIT_FRACTION:.0%} of memory): {fits}")
-    if len(mt["fits"]) < len(GPUS):
+    if "A100/H100 80GB" not in mt["fits"]:
         print("  less memory per GPU: --sequence-parallel, --recompute-granularity full, a smaller "
               "--max-tokens-per-gpu (with --use-dynamic-batch-size) or --micro-batch-size, a larger TP or PP")
     d = report["ddma"]

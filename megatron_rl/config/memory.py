@@ -4,13 +4,13 @@ gradients, optimizer state and activations, and the generators' weights.
 Static memory: the busiest trainer rank (the maximum over every pipeline stage, TP rank and, with expert
 parallelism, the data-parallel ranks that hold different experts; exact shards from the layout mapping, vocabulary
 padding included, and only the rank's own experts) holds its weights (2 bytes in bf16, 4 in fp32), fp32 gradients
-(4) and Adam's fp32 main weights and two moments (12 in bf16, 8 in fp32). With the distributed optimizer the latter
-are split over the data-parallel group: DP ranks for the dense parameters, and for the experts the
-expert-data-parallel group of Megatron-Core, TP x DP / (EP x ETP) ranks (the ranks that hold the same expert shard).
-With --kl-coef, also the frozen reference model's weights (the same shard, in the same dtype). A generator TP rank
-(the busiest one, its experts only with --rollout-expert-parallel-size) holds its runtime weights: 1 byte per
-parameter of block-FP8 linear weights (plus their scales) and 2 bytes for the rest; its KV cache is SGLang's
-(--mem-fraction-static of what is left).
+(4; 2 with --grad-reduce-in-bf16) and Adam's fp32 main weights and two moments (12 in bf16, 8 in fp32). With the
+distributed optimizer the latter are split over the data-parallel group: DP ranks for the dense parameters, and for
+the experts the expert-data-parallel group of Megatron-Core, TP x DP / (EP x ETP) ranks (the ranks that hold the
+same expert shard). With --kl-coef, also the frozen reference model's weights (the same shard, in the same dtype). A
+generator TP rank (the busiest one, its experts only with --rollout-expert-parallel-size) holds its runtime weights:
+1 byte per parameter of block-FP8 linear weights (plus their scales) and 2 bytes for the rest; its KV cache is
+SGLang's (--mem-fraction-static of what is left).
 
 Activations: what autograd keeps for the backward pass of one training micro-batch, counted per layer and token
 from what each module of the layer spec saves (`layer_elements_per_token`), times the tokens of a micro-batch (the
@@ -150,8 +150,9 @@ def stage_activation_bytes(spec, layout: TrainerLayout, stage: int, shape: Micro
 
 
 def trainer_memory(spec, layout: TrainerLayout, bf16: bool, distributed_optimizer: bool, reference: bool = False,
-                   shape: MicroBatchShape | None = None) -> dict:
-    """The busiest trainer rank's memory (see the module docstring); activations too when `shape` is given."""
+                   shape: MicroBatchShape | None = None, grad_bytes: int = 4) -> dict:
+    """The busiest trainer rank's memory (see the module docstring); activations too when `shape` is given.
+    `grad_bytes`: 2 with --grad-reduce-in-bf16."""
     weight_bytes, adam_bytes = (2, 12) if bf16 else (4, 8)
     dp, edp = layout.data_parallel_size, expert_data_parallel_size(layout)
     busiest = None
@@ -168,13 +169,13 @@ def trainer_memory(spec, layout: TrainerLayout, bf16: bool, distributed_optimize
                 optimizer = (dense * adam_bytes / dp + experts * adam_bytes / edp if distributed_optimizer
                              else (dense + experts) * adam_bytes)
                 params = dense + experts
-                static = params * (weight_bytes + 4 + (weight_bytes if reference else 0)) + optimizer
+                static = params * (weight_bytes + grad_bytes + (weight_bytes if reference else 0)) + optimizer
                 if busiest is None or static + peak_activations > busiest[0] + busiest[5]:
                     busiest = (static, params, experts, optimizer, (pp, tp, dp_rank), peak_activations, activations)
     total, params, experts, optimizer, (pp, tp, dp_rank), peak_activations, activations = busiest
     weights = params * weight_bytes
     out = {"params": params, "expert_params": experts, "rank": layout.rank(dp_rank, pp, tp), "stage": pp,
-           "expert_data_parallel": edp, "weights_gib": weights / GIB, "grads_gib": params * 4 / GIB,
+           "expert_data_parallel": edp, "weights_gib": weights / GIB, "grads_gib": params * grad_bytes / GIB,
            "optimizer_gib": optimizer / GIB, "reference_gib": (weights if reference else 0) / GIB,
            "total_gib": total / GIB}
     if shape is not None:

@@ -17,7 +17,7 @@ import os
 import zlib
 
 from megatron_rl.models.megatron_config import check_megatron_config
-from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
+from megatron_rl.models.parallelism import KERNEL_FUSIONS, GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import ModelSpec, get_model_spec
 
 
@@ -172,7 +172,8 @@ def layouts(args, world_size: int) -> tuple[TrainerLayout, GeneratorLayout]:
                             recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                             expert_model_parallel_size=args.expert_model_parallel_size,
                             expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-                            moe_token_dispatcher_type=args.moe_token_dispatcher_type)
+                            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                            kernel_fusions=tuple(f for f in KERNEL_FUSIONS.values() if getattr(args, f, True)))
     generator = GeneratorLayout(gtp, replicas, args.rollout_fp8, first_rank=trainer_world,
                                 expert_parallel_size=args.rollout_expert_parallel_size)
     return trainer, generator

@@ -18,12 +18,15 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.models.parallelism import TrainerLayout
+from megatron_rl.models.parallelism import KERNEL_FUSIONS, TrainerLayout
 from megatron_rl.models.spec import ModelSpec
 
 
 def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: torch.dtype = torch.float32,
-                       use_cpu_initialization: bool = True, moe_aux_loss_coeff: float = 0.0, **overrides):
+                       use_cpu_initialization: bool = True, moe_aux_loss_coeff: float = 0.0, fused: bool = False,
+                       **overrides):
+    """`fused`: turn on the layout's kernel fusions (the trainer on a GPU with Transformer Engine: their kernels are
+    TE's and CUDA's; `fusion_fields`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout.validate(spec)
@@ -58,12 +61,8 @@ def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: 
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
         apply_query_key_layer_scaling=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
         persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **fusion_fields(layout, fused),
         tensor_model_parallel_size=layout.tensor_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_parallel_size,
         num_layers_in_first_pipeline_stage=layout.decoder_first_pipeline_num_layers,
@@ -83,6 +82,14 @@ def transformer_config(spec: ModelSpec, layout: TrainerLayout, *, params_dtype: 
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def fusion_fields(layout: TrainerLayout, fused: bool) -> dict[str, bool]:
+    """TransformerConfig's kernel-fusion fields: the layout's (Megatron-LM's defaults, less its --no-*-fusion flags)
+    when `fused` and the layer spec is Transformer Engine's, else all off (the local spec on a CPU has none of the
+    kernels)."""
+    on = set(layout.kernel_fusions) if fused and layout.transformer_engine else set()
+    return {name: name in on for name in KERNEL_FUSIONS.values()}
 
 
 def check_megatron_config(spec: ModelSpec, trainer: TrainerLayout) -> None:

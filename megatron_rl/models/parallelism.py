@@ -71,6 +71,12 @@ def generator_experts(spec: ModelSpec, tp: int, tp_rank: int, ep: int = 1) -> tu
 
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")  # Megatron-LM's --transformer-impl
+# TransformerConfig's kernel fusions by Megatron-LM's flag that turns each off (on by default there too)
+KERNEL_FUSIONS = {"--no-gradient-accumulation-fusion": "gradient_accumulation_fusion",
+                  "--no-bias-swiglu-fusion": "bias_activation_fusion",
+                  "--no-masked-softmax-fusion": "masked_softmax_fusion",
+                  "--no-rope-fusion": "apply_rope_fusion",
+                  "--no-bias-dropout-fusion": "bias_dropout_fusion"}
 MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")  # Megatron-LM's --moe-token-dispatcher-type (not "flex": DeepEP)
 
 
@@ -103,6 +109,9 @@ class TrainerLayout:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None  # None: the TP size (Megatron-Core's default)
     moe_token_dispatcher_type: str = "alltoall"  # Megatron-Core's token dispatcher (--moe-token-dispatcher-type)
+    # the kernel fusions the flags leave on (Megatron-LM's --no-*-fusion turn them off); they run on GPUs with
+    # Transformer Engine only (`megatron_config.transformer_config(fused=...)`)
+    kernel_fusions: tuple[str, ...] = ()
 
     @property
     def expert_tp(self) -> int:

@@ -69,7 +69,9 @@ class TrainerExecutor:
                               use_distributed_optimizer=args.use_distributed_optimizer, init_weights=init,
                               device=roles.device, use_cpu_initialization=args.use_cpu_initialization,
                               routing_replay=args.use_rollout_routing_replay,
-                              moe_aux_loss_coeff=args.moe_aux_loss_coeff)
+                              moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                              overlap_grad_reduce=args.overlap_grad_reduce,
+                              grad_reduce_in_bf16=args.grad_reduce_in_bf16)
         self.scheduler = build_scheduler(policy, args.lr_warmup_iters, args.train_iters, args.lr_decay_style,
                                          args.lr_wsd_decay_iters, args.lr_wsd_decay_style)
         self.rl_algo = AlgorithmConfig.from_args(args)

@@ -63,16 +63,19 @@ def build_policy(
     use_cpu_initialization: bool = False,
     routing_replay: bool = False,
     moe_aux_loss_coeff: float = 0.0,
+    overlap_grad_reduce: bool = False,
+    grad_reduce_in_bf16: bool = False,
 ) -> Policy:
     """Build this rank's model shard on `device` (default: the current CUDA device, else the CPU), wrap it in
     Megatron DDP and create Megatron's optimizer.
 
-    bf16 follows Megatron: bf16 parameters and compute, gradients reduced and accumulated in fp32 (`main_grad`),
-    fp32 main parameters and Adam states in the optimizer. `init_weights(module)` runs before the DDP wrapper
-    copies parameters into its buffers (e.g. loading HF weights). The weights are initialized on the CPU first
-    when `use_cpu_initialization` or `device` is the CPU. `moe_aux_loss_coeff`: the weight of the routers'
-    load-balancing loss (a mixture of experts; see the module docstring). `routing_replay`: the MoE routers can replay
-    recorded routes (`trainer.routing_replay`).
+    bf16 follows Megatron: bf16 parameters and compute, gradients reduced and accumulated in fp32 (`main_grad`;
+    in bf16 with `grad_reduce_in_bf16`), fp32 main parameters and Adam states in the optimizer.
+    `overlap_grad_reduce`: Megatron DDP reduces each bucket during the last backward. `init_weights(module)` runs
+    before the DDP wrapper copies parameters into its buffers (e.g. loading HF weights). The weights are initialized
+    on the CPU first when `use_cpu_initialization` or `device` is the CPU. `moe_aux_loss_coeff`: the weight of the
+    routers' load-balancing loss (a mixture of experts; see the module docstring). `routing_replay`: the MoE routers
+    can replay recorded routes (`trainer.routing_replay`).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -84,12 +87,13 @@ def build_policy(
     replay = {"moe_enable_routing_replay": True} if routing_replay else {}
     config = transformer_config(spec, layout, params_dtype=dtype,
                                 use_cpu_initialization=use_cpu_initialization or device.type == "cpu",
-                                moe_aux_loss_coeff=moe_aux_loss_coeff, **replay)
+                                moe_aux_loss_coeff=moe_aux_loss_coeff, fused=device.type == "cuda", **replay)
     module = build_gpt_model(spec, layout, config).to(device)  # a no-op for weights made on the device
     if init_weights is not None:
         init_weights(module)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer,
+        grad_reduce_in_fp32=not (bf16 and grad_reduce_in_bf16), overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
     )
     model = DistributedDataParallel(config, ddp_config, module)
     opt_config = OptimizerConfig(
@@ -101,6 +105,8 @@ def build_policy(
     config.grad_scale_func = opt.scale_loss if bf16 else None
     config.finalize_model_grads_func = _finalize_model_grads
     config.no_sync_func = model.no_sync
+    if overlap_grad_reduce:  # each bucket's reduction starts as its gradients are ready, in the last backward
+        config.grad_sync_func = model.start_grad_sync
     return Policy(spec, layout, model, opt, config, device)
 
 

@@ -27,6 +27,8 @@ class ReferenceModel:
         config = transformer_config(policy.spec, policy.layout, params_dtype=policy.config.params_dtype,
                                     use_cpu_initialization=policy.config.use_cpu_initialization,
                                     perform_initialization=False,  # every weight is overwritten before use
+                                    # the policy's kernels (a fused rope rounds differently), but no gradient
+                                    fused=policy.device.type == "cuda", gradient_accumulation_fusion=False,
                                     # with routing replay, the reference routes each token as the generator did too
                                     moe_enable_routing_replay=policy.config.moe_enable_routing_replay)
         self.module = build_gpt_model(policy.spec, policy.layout, config).to(policy.device)

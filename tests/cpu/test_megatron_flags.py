@@ -90,3 +90,20 @@ def test_wsd_schedule_is_warmup_stable_then_decay(results):
             coeff = 2 * 0.5 ** ((step - 6) / 4) - 1
             expected.append(0.1 + coeff * (1.0 - 0.1))
     assert all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(lrs, expected)), (lrs, expected)
+
+
+def test_kernel_fusions_are_megatron_lms_defaults_on_gpus_with_te_and_off_by_their_flags():
+    from megatron_rl.config.arguments import parse_args
+    from megatron_rl.config.setup import layouts
+    from megatron_rl.models.megatron_config import fusion_fields
+    from megatron_rl.models.parallelism import KERNEL_FUSIONS
+
+    te = ["--transformer-impl", "transformer_engine"]
+    trainer, _ = layouts(parse_args(te), 2)
+    assert set(fusion_fields(trainer, fused=True)) == set(KERNEL_FUSIONS.values())
+    assert all(fusion_fields(trainer, fused=True).values())  # Megatron-LM turns each on by default
+    assert not any(fusion_fields(trainer, fused=False).values())  # a CPU has none of their kernels
+    assert not any(fusion_fields(layouts(parse_args([]), 2)[0], fused=True).values())  # nor the local spec
+    trainer, _ = layouts(parse_args([*te, "--no-rope-fusion", "--no-gradient-accumulation-fusion"]), 2)
+    off = {name for name, on in fusion_fields(trainer, fused=True).items() if not on}
+    assert off == {"apply_rope_fusion", "gradient_accumulation_fusion"}

@@ -35,7 +35,7 @@ def _batch(positive_only=False):
     return TrainBatch.from_sequences(prompts, responses, behavior, adv, masks)
 
 
-def _setup(tp, pp, lr=1e-3, seed_weights=0):
+def _setup(tp, pp, lr=1e-3, seed_weights=0, overlap_grad_reduce=False):
     import torch.distributed as dist
     from helpers import random_hf_weights
 
@@ -46,7 +46,7 @@ def _setup(tp, pp, lr=1e-3, seed_weights=0):
 
     layout = TrainerLayout(tp, pp, dist.get_world_size() // (tp * pp), dtype_bytes=4)
     parallel.initialize(layout, SPEC)
-    policy = build_policy(SPEC, layout, lr=lr, clip_grad=1.0, adam_eps=1e-4,
+    policy = build_policy(SPEC, layout, lr=lr, clip_grad=1.0, adam_eps=1e-4, overlap_grad_reduce=overlap_grad_reduce,
                           init_weights=lambda m: load_hf_weights(m, SPEC, layout,
                                                                  random_hf_weights(SPEC, seed=seed_weights)))
     algo = AlgorithmConfig(loss="aipo", loss_params={"rho": 2.0}, temperature=TEMPERATURE)
@@ -136,8 +136,8 @@ def test_vocab_parallel_logprobs_equal_full_log_softmax():
 
 # ---- one AIPO step under every layout ------------------------------------------------------------------------------
 
-def _step_rank(tp, pp):
-    trainer = _setup(tp, pp)
+def _step_rank(tp, pp, overlap_grad_reduce=False):
+    trainer = _setup(tp, pp, overlap_grad_reduce=overlap_grad_reduce)
     metrics = trainer.train_step(_batch())
     out = _params(trainer)
     out["metrics"] = metrics
@@ -151,11 +151,12 @@ def tp1_step():
     return _merge(results, 1, 1), results[0]["metrics"]
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)],
-                         ids=["tp2", "pp2", "dp2", "tp2-dp2"])
-def test_aipo_step_is_identical_across_layouts(tp1_step, tp, pp, dp):
+@pytest.mark.parametrize("tp,pp,dp,overlap", [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 2, False),
+                                               (1, 1, 2, True)],
+                         ids=["tp2", "pp2", "dp2", "tp2-dp2", "dp2-overlap-grad-reduce"])
+def test_aipo_step_is_identical_across_layouts(tp1_step, tp, pp, dp, overlap):
     ref_weights, ref_metrics = tp1_step
-    results = run_on_ranks(_step_rank, tp * pp * dp, tp, pp)
+    results = run_on_ranks(_step_rank, tp * pp * dp, tp, pp, overlap)
     weights = _merge(results, tp, pp)
     for name in ref_weights:
         torch.testing.assert_close(weights[name], ref_weights[name], atol=2e-6, rtol=0, msg=name)
