@@ -24,6 +24,7 @@ applies there.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import multiprocessing as mp
@@ -103,6 +104,10 @@ class WorkerPool:
         self.num_workers = num_workers
         self.replaced_workers = 0
         self._workers = [_Worker(self._ctx, warmup) for _ in range(num_workers)]
+        # Workers ignore SIGTERM (`_worker_main`), which multiprocessing's own exit handler sends its daemonic
+        # children before it joins them: killed here first (atexit runs later registrations first), the process
+        # exits however it ends, an exception included.
+        atexit.register(self.kill)
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
@@ -158,6 +163,12 @@ class WorkerPool:
             with contextlib.suppress(OSError, BrokenPipeError):
                 w.conn.send(None)
             w.process.join(timeout=2)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every worker (those that already exited are only reaped)."""
+        atexit.unregister(self.kill)
+        for w in self._workers:
             w.kill()
 
     def __enter__(self):
