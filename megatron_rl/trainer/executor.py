@@ -150,7 +150,6 @@ class TrainerExecutor:
         finally:
             self._last_sent = time.monotonic()
 
-
     def serve(self) -> None:
         """Trainer ranks other than 0: execute rank 0's commands until it says "stop"."""
         while True:
