@@ -144,7 +144,9 @@ class Controller:
         """RL prompts to keep in flight once a step has taken `taken` groups: the rest of its own and, when it
         dispatches ahead, the next step's (--staleness-control admission: as many steps' as --max-staleness lets
         every one of them be trained within that many versions of the weights it was dispatched under)."""
-        steps = 1 + (self.args.max_staleness if self.args.staleness_control == "admission" else 1) if ahead else 1
+        steps = 1
+        if ahead:
+            steps += self.args.max_staleness if self.args.staleness_control == "admission" else 1
         return steps * self.prompts_per_step - taken
 
     def due(self) -> list[str]:

@@ -22,8 +22,7 @@ class EarlyExit:
     def __init__(self, signal_name: str | None = None, duration_mins: float | None = None):
         """`signal_name`: catch that signal (None: leave signals alone); `duration_mins`: stop once the run has
         lasted that long (counted from here)."""
-        self.signal_name, self.duration_mins = signal_name, duration_mins
-        self.start, self.received = time.monotonic(), None
+        self.duration_mins, self.start, self.received = duration_mins, time.monotonic(), None
         if signal_name is not None:
             signal.signal(getattr(signal, signal_name), self._on_signal)
 

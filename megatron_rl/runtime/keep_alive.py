@@ -20,6 +20,8 @@ class KeepAlive:
         self.interval_s, self.last_sent, self.send = interval_s, last_sent, send
         self.lock = lock or threading.Lock()
         self._stopped, self._last = threading.Event(), time.monotonic()
+        self.sent = 0  # keep-alives sent so far
+        self._sent_changed = threading.Condition()
         threading.Thread(target=self._run, daemon=True, name=name).start()
 
     def _run(self) -> None:
@@ -34,6 +36,15 @@ class KeepAlive:
                     except Exception:  # noqa: BLE001 - a lost peer: the sender's own next message says so
                         return
                     self._last = time.monotonic()
+                with self._sent_changed:
+                    self.sent += 1
+                    self._sent_changed.notify_all()
+
+    def wait_sent(self, count: int, timeout_s: float) -> bool:
+        """Block until `count` keep-alives were sent (a phase of that many intervals without a message); False
+        after `timeout_s`."""
+        with self._sent_changed:
+            return self._sent_changed.wait_for(lambda: self.sent >= count, timeout_s)
 
     def stop(self) -> None:
         """No keep-alive after this returns."""

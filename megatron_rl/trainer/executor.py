@@ -85,9 +85,9 @@ class TrainerExecutor:
         self.transport = make_transport(roles)
         self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
         self.version = -1  # the last weight version published
-        self._dp_rank_of = self._data_parallel_ranks()  # by trainer rank: whom each batch share goes to
         self.commands_group = dist.new_group(backend="gloo", timeout=roles.timeout) if dist.get_world_size() > 1 \
             else None
+        self._dp_rank_of = self._data_parallel_ranks()  # by trainer rank: whom each batch share goes to
         self._sending = threading.Lock()  # one message at a time on commands_group: a command, or a keep-alive
         self._last_sent = time.monotonic()  # of rank 0's last command (infinity while it runs)
         self.keep_alive = None
@@ -113,13 +113,13 @@ class TrainerExecutor:
             reference.load(self.args.ref_load)
         return reference
 
-    @staticmethod
-    def _data_parallel_ranks() -> list[int]:
+    def _data_parallel_ranks(self) -> list[int]:
+        """Every trainer rank's DP rank, gathered once on the (host) command group."""
         from megatron.core import parallel_state as ps
 
         ranks = [ps.get_data_parallel_rank()] * dist.get_world_size()
-        if dist.get_world_size() > 1:
-            dist.all_gather_object(ranks, ps.get_data_parallel_rank())
+        if self.commands_group is not None:
+            dist.all_gather_object(ranks, ps.get_data_parallel_rank(), group=self.commands_group)
         return ranks
 
     def command(self, name: str, payload=None):

@@ -12,20 +12,27 @@ from megatron_rl.runtime.channels import Channel
 from megatron_rl.runtime.multinode import LostPeer, lost_peer
 
 
-def test_a_silent_sender_is_named_when_a_receive_from_any_rank_times_out(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per node: rank 1 is on node 1
-    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+def _gloo_pair(timeout_s: float = 1.0) -> dict:
+    """A real gloo group of 2 ranks in this process, rank -> its ProcessGroup (each connects in a thread of its
+    own, since each blocks until the other is there); every wait on it times out after `timeout_s`."""
     store, groups = dist.HashStore(), {}
 
-    def connect(rank):  # a real gloo group of 2 ranks; each blocks until the other is there
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=1))
+    def connect(rank):
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
 
     threads = [threading.Thread(target=connect, args=(rank,)) for rank in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
+    return groups
+
+
+def test_a_silent_sender_is_named_when_a_receive_from_any_rank_times_out(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per node: rank 1 is on node 1
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    groups = _gloo_pair()
     with pytest.raises(LostPeer, match=r"^lost contact with rank 1 on node 1 of 2: receiving from it failed \("):
         Channel(groups[0], 12, senders=[1]).recv()  # rank 1 sends nothing
     monkeypatch.setenv("GROUP_WORLD_SIZE", "4")  # several senders: which one fell silent is not known
@@ -40,16 +47,7 @@ def test_keep_alives_let_two_idle_ranks_outwait_the_group_timeout(monkeypatch):
     from megatron_rl.runtime.keep_alive import KeepAlive
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    store, groups = dist.HashStore(), {}
-
-    def connect(rank):
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=1))
-
-    threads = [threading.Thread(target=connect, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    groups = _gloo_pair()
     received, errors = [], []
 
     def idle_generator():

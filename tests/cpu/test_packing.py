@@ -212,11 +212,10 @@ def test_moe_step_with_routing_replay_packed_equals_padded_and_its_balancing_los
 
 # ---- the trainer executor sends each DP rank only its share --------------------------------------------------------
 
-def _executor_rank(timeout_minutes: float = 30, idle_s: float = 0):
-    """DP=2 trainer ranks through the executor's commands, then a generator that idles. `idle_s`: rank 0 sends no
-    command for that long between two steps (an evaluation, say)."""
+def _executor_rank(timeout_minutes: float = 30, idle_keep_alives: int = 0):
+    """DP=2 trainer ranks through the executor's commands, then a generator that idles. `idle_keep_alives`: rank 0
+    sends no command between two steps (an evaluation, say) until its keep-alive has gone out that many times."""
     import pickle
-    import time
 
     import torch.distributed as dist
 
@@ -239,8 +238,8 @@ def _executor_rank(timeout_minutes: float = 30, idle_s: float = 0):
         batch = _batch(setup.spec.vocab_size)
         if roles.is_controller:
             out["metrics"] = trainer.command("train", batch)
-            if idle_s:
-                time.sleep(idle_s)  # the long phase itself, not a wait for something
+            if idle_keep_alives:
+                out["idled"] = trainer.keep_alive.wait_sent(idle_keep_alives, timeout_s=300)
                 out["metrics_after_idle"] = trainer.command("train", batch)
             trainer.stop()
         else:
@@ -267,9 +266,10 @@ def test_the_executor_sends_each_data_parallel_rank_only_its_share():
         assert sent < whole  # only its rows, trimmed to their own longest
 
 
-@pytest.mark.slow  # a 30 s idle phase: the slow tier keeps the default suite short
+@pytest.mark.slow  # an 18 s idle phase: the slow tier keeps the default suite short
 def test_idle_trainer_ranks_outlast_the_process_group_timeout():
-    # 12 s timeouts for every group, a 30 s pause between two steps: the other trainer rank waits for its next
-    # command on the command group, kept alive by rank 0, and trains again
-    rank0 = run_on_ranks(_executor_rank, 3, 0.2, 30.0, backend=None, timeout_s=600)[0]
-    assert rank0["metrics"]["update_successful"] and rank0["metrics_after_idle"]["update_successful"]
+    # 12 s timeouts for every group; between two steps rank 0 sends nothing but 6 keep-alives (one per 3 s: 18 s,
+    # 1.5 timeouts). The other trainer rank waits for its next command on the command group and trains again.
+    rank0 = run_on_ranks(_executor_rank, 3, 0.2, 6, backend=None, timeout_s=600)[0]
+    assert rank0["idled"] and rank0["metrics"]["update_successful"]
+    assert rank0["metrics_after_idle"]["update_successful"]

@@ -7,6 +7,7 @@ at start with an error naming it. tests/cpu/test_checkpoint_hygiene.py tests the
 import json
 import os
 import subprocess
+import threading
 import time
 import uuid
 
@@ -24,7 +25,9 @@ SMALL = ["--sft-warmup-iters", "2", "--train-iters", "8", "--eval-size", "8", "-
 MARKER = "MEGATRON_RL_RELIABILITY_RUN"  # in every process a launch starts: what is left of it can be found
 
 
-def _start(out, *flags, failpoint=None):
+def _start(out, *flags, failpoint=None, watch=None):
+    """Launch the tiny example; its output goes to the returned log. `watch`: also set `run.seen` (an Event) when
+    a line of the output contains it (or the output ends)."""
     from megatron_rl.runtime import failpoints
     from megatron_rl.runtime.spawn import free_port
 
@@ -34,8 +37,21 @@ def _start(out, *flags, failpoint=None):
         env[failpoints.ENV] = failpoint  # the controller's rank SIGKILLs itself there; torchrun ends the rest
     log = open(out.parent / f"{out.name}-{time.monotonic_ns()}.log", "w")
     run = subprocess.Popen(["bash", "examples/run_tiny_aipo.sh", *SMALL, *flags], cwd=ROOT, env=env,
-                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                           stdout=log if watch is None else subprocess.PIPE, stderr=subprocess.STDOUT,
+                           start_new_session=True, text=True)
     run.marker = env[MARKER]
+    if watch is not None:
+        run.seen = threading.Event()
+
+        def copy():
+            for line in run.stdout:
+                log.write(line)
+                log.flush()
+                if watch in line:
+                    run.seen.set()
+            run.seen.set()
+
+        threading.Thread(target=copy, daemon=True).start()
     return run, log.name
 
 
@@ -62,12 +78,10 @@ def test_a_sigterm_saves_a_checkpoint_that_the_same_command_resumes(tmp_path):
     import signal
 
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    flags = ("--save", str(ckpt), "--load", str(ckpt), "--save-interval", "100", "--exit-signal-handler")
-    run, log = _start(out, *flags)
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
-    while not (metrics.exists() and any('"rollout"' in line for line in metrics.read_text().splitlines())):
-        assert run.poll() is None and time.monotonic() < deadline, open(log).read()[-3000:]
-        time.sleep(0.2)  # until the run's own file shows its first RL step
+    flags = ("--save", str(ckpt), "--load", str(ckpt), "--save-interval", "100", "--exit-signal-handler",
+             "--log-interval", "1")
+    run, log = _start(out, *flags, watch="step 1/8 |")  # the run's own progress line after its first RL step
+    assert run.seen.wait(300) and run.poll() is None, open(log).read()[-3000:]
     os.killpg(run.pid, signal.SIGTERM)  # every process of the launch, as a scheduler signals a job
     run.wait(300)
     _assert_nothing_left(run)
