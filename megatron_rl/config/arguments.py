@@ -219,7 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-max-response-len", type=int, default=8)
     g.add_argument("--n-samples-per-prompt", type=int, default=4)
-    g.add_argument("--rollout-max-running", type=int, default=64, help="requests decoded together per engine")
+    g.add_argument("--rollout-max-running", type=int, default=None,
+                   help="requests decoded together per engine (SGLang's --max-running-requests); default: 64 for "
+                        "the built-in engine, SGLang's own choice from its KV cache on a GPU")
+    g.add_argument("--rollout-kv-cache-tokens", type=int, default=None,
+                   help="KV cache size in tokens per engine (SGLang's --max-total-tokens); default: sized from the "
+                        "GPU's memory (--rollout-mem-fraction-static; SGLang: --sglang-mem-fraction-static), and "
+                        "on CPUs --rollout-max-running x --seq-length")
+    g.add_argument("--rollout-mem-fraction-static", type=float, default=0.8,
+                   help="built-in engine on a GPU: the fraction of its memory for weights and KV cache, as "
+                        "SGLang's --mem-fraction-static")
     g.add_argument("--rollout-pause-mode", choices=["retract", "in_place"], default="retract",
                    help="what requests in flight do at a weight update (SGLang's pause_generation modes): retract = "
                         "their KV caches are recomputed by the new weights (exact, costs a prefill of everything "

@@ -27,8 +27,13 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                  "--max-position-embeddings", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
                  "--rollout-expert-parallel-size", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
                  "--kv-channels", "--keep-last-n-checkpoints", "--max-tokens-per-gpu",
-                 "--log-probs-max-tokens-per-gpu"):
+                 "--log-probs-max-tokens-per-gpu", "--rollout-max-running"):
         positive(flag)
+    if args.rollout_kv_cache_tokens is not None and args.rollout_kv_cache_tokens < args.seq_length:
+        parser.error(f"--rollout-kv-cache-tokens {args.rollout_kv_cache_tokens} is less than --seq-length "
+                     f"{args.seq_length}: one sequence of full length would not fit")
+    if not 0 < args.rollout_mem_fraction_static < 1:
+        parser.error(f"--rollout-mem-fraction-static must be in (0, 1), got {args.rollout_mem_fraction_static}")
     if args.use_dynamic_batch_size != (args.max_tokens_per_gpu is not None):
         parser.error("--use-dynamic-batch-size and --max-tokens-per-gpu go together (packed micro-batches of at "
                      "most that many tokens)")

@@ -108,7 +108,8 @@ def test_decoder_fp8_gemm_path_matches_the_dequantized_path():
         for name, tensor in _hf_weights(decoder).items():
             decoder.load(name, tensor, staged)
         decoder.install(staged)
-        paths.append(decoder.forward([0], torch.tensor([[1, 5, 9, 2]]), torch.tensor([0])))
+        decoder.reserve(0, 4)
+        paths.append(decoder.forward([0], torch.tensor([[1, 5, 9, 2]]), [0]))
     assert isinstance(decoder._compute["model.layers.0.mlp.down_proj.weight"], RowwiseFP8)
     scale = paths[0].abs().max()
     assert (paths[0] - paths[1]).abs().max() < 0.1 * scale

@@ -157,6 +157,35 @@ def test_incomplete_update_keeps_the_old_version_serving(model_dir):
     assert engine.generate([PROMPTS[0]], GREEDY)[0].token_ids == _hf_greedy(model, PROMPTS[0], 12)
 
 
+def test_kv_cache_is_a_token_budget_shared_by_the_running_requests(model_dir):
+    """A KV pool of 40 tokens with 8 slots: requests (prompt + 12 new tokens each, 13 to 18 tokens) are admitted
+    in order while their whole sequence fits, so at most two run at once, and the tokens equal transformers' as
+    with a pool of slots x max length. Positions go back to the pool as requests finish, retract or abort."""
+    directory, model = model_dir
+    engine = LocalEngine.from_hf(str(directory), max_slots=8, max_seq_len=64, kv_cache_tokens=40)
+    assert tuple(engine.decoder.k_cache.shape[:2]) == (engine.spec.num_layers, 40)  # not 8 x 64
+    for p in PROMPTS:
+        engine.add_request(p, GREEDY)
+    done, most_running = {}, 0
+    while engine.has_work():
+        for out in engine.step():
+            done[tuple(out.prompt_token_ids)] = out
+        most_running = max(most_running, engine.num_running)
+        assert engine.decoder.free_kv_tokens >= 0
+    assert most_running == 2
+    for prompt in PROMPTS:
+        assert done[tuple(prompt)].token_ids == _hf_greedy(model, prompt, 12)
+    assert engine.decoder.free_kv_tokens == 40
+    engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()
+    engine.pause("retract")
+    assert engine.decoder.free_kv_tokens == 40  # a retracted request gives its positions back
+    engine.continue_generation()
+    assert engine.generate([PROMPTS[1]], GREEDY)[0].token_ids == _hf_greedy(model, PROMPTS[1], 12)
+    with pytest.raises(ValueError, match=r"exceeds the engine's KV cache of 40 tokens \(--rollout-kv-cache-tokens"):
+        engine.add_request([1] * 30, GREEDY)
+
+
 def test_abort_returns_partial_outputs_and_updates_need_a_pause(model_dir):
     directory, _ = model_dir
     engine = LocalEngine.from_hf(str(directory), max_slots=3)

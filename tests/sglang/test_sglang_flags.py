@@ -24,10 +24,10 @@ def _sglang_parser():
 def test_values_are_typed_by_sglangs_own_flags():
     flags = check_server_flags({"mem_fraction_static": "0.8", "chunked_prefill_size": "512",
                                 "attention_backend": "torch_native", "enable_torch_compile": True,
-                                "disable_radix_cache": "false", "max_total_tokens": "4k",
+                                "disable_radix_cache": "false", "max_prefill_tokens": "4k",
                                 "cuda_graph_bs_decode": "1 2 4"})
     assert flags == {"mem_fraction_static": 0.8, "chunked_prefill_size": 512, "attention_backend": "torch_native",
-                     "enable_torch_compile": True, "max_total_tokens": "4k", "cuda_graph_bs_decode": [1, 2, 4]}
+                     "enable_torch_compile": True, "max_prefill_tokens": "4k", "cuda_graph_bs_decode": [1, 2, 4]}
     assert type(flags["mem_fraction_static"]) is float and type(flags["chunked_prefill_size"]) is int
 
 
@@ -38,8 +38,8 @@ def test_values_are_typed_by_sglangs_own_flags():
                                       "float"),
     ({"chunked_prefill_size": "0.5"}, "--sglang-chunked-prefill-size '0.5': SGLang's --chunked-prefill-size takes "
                                       "int"),
-    ({"max_total_tokens": "many"}, "--sglang-max-total-tokens 'many': SGLang's --max-total-tokens takes "
-                                   "human_readable_int"),
+    ({"max_prefill_tokens": "many"}, "--sglang-max-prefill-tokens 'many': SGLang's --max-prefill-tokens takes "
+                                     "human_readable_int"),
     ({"attention_backend": "nope"}, "--sglang-attention-backend 'nope': SGLang's --attention-backend takes one of "
                                     "['triton', 'torch_native'"),
     ({"mem_fraction_static": True}, "--sglang-mem-fraction-static needs a value: SGLang's --mem-fraction-static "
@@ -47,6 +47,7 @@ def test_values_are_typed_by_sglangs_own_flags():
     ({"enable_torch_compile": "maybe"}, "--sglang-enable-torch-compile 'maybe': SGLang's --enable-torch-compile is "
                                         "a switch (true/false)"),
     ({"tp_size": "2"}, "--sglang-tp-size (--rollout-tensor-parallel-size sets it)"),
+    ({"max_total_tokens": "4k"}, "--sglang-max-total-tokens (--rollout-kv-cache-tokens sets it)"),
 ])
 def test_bad_flags_are_refused_naming_the_flag_and_what_it_takes(flags, message):
     with pytest.raises(ValueError) as error:
@@ -83,7 +84,7 @@ def test_run_setup_types_the_flags_and_refuses_unknown_ones():
 
 def test_sglang_parses_the_launch_command_with_the_users_values_and_the_replicas_gpus():
     flags = check_server_flags({"mem_fraction_static": "0.7", "enable_torch_compile": True,
-                                "cuda_graph_bs_decode": "1 2 4", "max_total_tokens": "4k"})
+                                "cuda_graph_bs_decode": "1 2 4", "max_prefill_tokens": "4k"})
     environ = {"LOCAL_RANK": "4", "LOCAL_WORLD_SIZE": "8", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     argv, _ = launch_command("/models/m", 4, 31000, environ=environ, cuda_available=True, device_count=8,
                              extra_flags={"max_running_requests": 64, "context_length": 4096, "random_seed": 7,
@@ -93,5 +94,6 @@ def test_sglang_parses_the_launch_command_with_the_users_values_and_the_replicas
     assert (parsed.base_gpu_id, parsed.tp_size, parsed.port, parsed.skip_tokenizer_init) == (4, 4, 31000, True)
     assert (parsed.mem_fraction_static, parsed.enable_torch_compile, parsed.cuda_graph_bs_decode) == (0.7, True,
                                                                                                      [1, 2, 4])
-    assert (parsed.max_total_tokens, parsed.max_running_requests, parsed.random_seed) == (4000, 64, 7)
+    assert (parsed.max_prefill_tokens, parsed.max_running_requests, parsed.random_seed) == (4000, 64, 7)
+    assert parsed.max_total_tokens is None  # on GPUs SGLang sizes its KV cache from memory
     assert parsed.load_format == "dummy" and parsed.weight_version == "-1"

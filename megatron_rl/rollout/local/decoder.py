@@ -21,9 +21,13 @@ Routes: a forward pass of a mixture-of-experts model leaves `last_routes`, int32
 each of its tokens the experts chosen in each layer, i.e. the route that computed that position's hidden state
 (None for a dense model). The engine keeps them per request.
 
-KV cache: a fixed pool of slots [layers, slots, kv_heads_local, max_seq_len, head_dim]. A forward pass takes
-any set of slots, each with its own start position, so decode steps batch requests of different lengths
-(continuous batching) and a prefill is the same call with more tokens.
+KV cache: one pool of `kv_cache_tokens` token positions [layers, tokens, kv_heads_local, head_dim], as SGLang's
+token-to-KV pool (page size 1): its size is a token budget, not slots x max length. A slot (a running request)
+holds the pool positions `reserve` gave it; `forward` writes each new token's K/V at its slot's position and
+gathers each slot's keys and values for attention by those positions. A forward pass takes any set of slots, each
+with its own start position, so decode steps batch requests of different lengths (continuous batching) and a
+prefill is the same call with more tokens. The gather and write indices are built once per forward pass from
+host-side lengths: no layer waits for the device.
 
 Weights, KV cache and activations live on the decoder's `device`; callers may pass inputs on any device and get
 logits on the decoder's. Block-FP8 weights run FP8 tensor-core GEMMs where the GPU has them (`models.fp8`), and
@@ -79,8 +83,10 @@ def _rotate_half(x):
 class TPDecoder:
     def __init__(self, spec: ModelSpec, tp_size: int = 1, tp_rank: int = 0, group=None,
                  dtype: torch.dtype = torch.float32, fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512,
-                 device: torch.device | str = "cpu", ep_size: int = 1):
-        """`ep_size`: SGLang's --ep-size (--rollout-expert-parallel-size), which must divide `tp_size`."""
+                 device: torch.device | str = "cpu", ep_size: int = 1, kv_cache_tokens: int | None = None):
+        """`ep_size`: SGLang's --ep-size (--rollout-expert-parallel-size), which must divide `tp_size`.
+        `max_slots`: sequences decoded together; `kv_cache_tokens`: the KV pool's size in tokens, shared by them
+        (default max_slots x max_seq_len, enough for every slot at full length)."""
         self.spec, self.tp_size, self.tp_rank, self.group = spec, tp_size, tp_rank, group
         self.dtype, self.fp8, self.device = dtype, fp8, torch.device(device)
         # FP8 tensor-core GEMMs (row-wise scales) where the device has them; else dequantize to `dtype`.
@@ -98,9 +104,14 @@ class TPDecoder:
         self.params: dict[str, torch.Tensor] = {}  # what was received, in the runtime layout (FP8 + scales)
         self._compute: dict[str, torch.Tensor | RowwiseFP8] = {}  # what the matmuls use
         self.max_slots, self.max_seq_len = max_slots, max_seq_len
-        shape = (spec.num_layers, max_slots, self.kv_heads, max_seq_len, spec.head_dim)
+        self.kv_cache_tokens = max_slots * max_seq_len if kv_cache_tokens is None else kv_cache_tokens
+        if self.kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
+        shape = (spec.num_layers, self.kv_cache_tokens, self.kv_heads, spec.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._free_positions = list(range(self.kv_cache_tokens - 1, -1, -1))  # a stack: lowest positions first
+        self._positions: dict[int, tuple[list[int], torch.Tensor]] = {}  # slot -> its pool positions (host, device)
         self.inv_freq = rope_inv_freq(spec).to(self.device)
 
     # ---- weights -------------------------------------------------------------------------------------------------
@@ -161,6 +172,50 @@ class TPDecoder:
             return weight.linear(x)
         return x @ weight.T
 
+    # ---- KV pool ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def kv_bytes_per_token(spec: ModelSpec, tp_size: int, dtype: torch.dtype) -> int:
+        """KV cache bytes one token takes on one TP rank (keys and values of every layer)."""
+        kv_heads = max(spec.num_key_value_heads // tp_size, 1)
+        return 2 * spec.num_layers * kv_heads * spec.head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def free_kv_tokens(self) -> int:
+        return len(self._free_positions)
+
+    def reserve(self, slot: int, num_tokens: int) -> bool:
+        """Give `slot` pool positions for `num_tokens` tokens (its whole sequence); False, changing nothing, when
+        the pool has fewer free."""
+        if slot in self._positions:
+            raise RuntimeError(f"KV slot {slot} already holds positions: release it first")
+        if num_tokens > len(self._free_positions):
+            return False
+        taken = [self._free_positions.pop() for _ in range(num_tokens)]
+        self._positions[slot] = (taken, torch.tensor(taken, dtype=torch.long, device=self.device))
+        return True
+
+    def release(self, slot: int) -> None:
+        """Return `slot`'s pool positions (nothing to do for a slot that holds none)."""
+        taken, _ = self._positions.pop(slot, ([], None))
+        self._free_positions.extend(reversed(taken))
+
+    def _indices(self, slots: list[int], starts: list[int], lengths: list[int], T: int, kv_len: int):
+        """(write: pool position of each new token whose row in [S * T] is listed in `rows`, rows, read: [S, kv_len]
+        pool positions of each slot's keys, its own ones first and then position 0 where it is shorter, masked)."""
+        writes, rows, reads = [], [], []
+        pad = torch.zeros(kv_len, dtype=torch.long, device=self.device)
+        for s, (slot, start, length) in enumerate(zip(slots, starts, lengths)):
+            if slot not in self._positions:
+                raise RuntimeError(f"KV slot {slot} holds no pool positions: reserve them first")
+            host, positions = self._positions[slot]
+            if start + length > len(host):
+                raise ValueError(f"KV slot {slot}: {start + length} tokens, but {len(host)} positions reserved")
+            writes.append(positions[start:start + length])
+            rows.append(torch.arange(s * T, s * T + length, device=self.device))
+            own = positions[:min(start + T, len(host))]
+            reads.append(torch.cat([own, pad[:kv_len - len(own)]]))
+        return torch.cat(writes), torch.cat(rows), torch.stack(reads)
+
     # ---- forward ------------------------------------------------------------------------------------------------
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -215,20 +270,25 @@ class TPDecoder:
         return x * cos + _rotate_half(x) * sin
 
     @torch.no_grad()
-    def forward(self, slots: list[int], tokens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """tokens [S, T] at positions starts[s] .. starts[s] + T - 1 of each slot; returns full-vocabulary
-        logits [S, T, vocab] (fp32). Caches K/V of these positions in the slots. A mixture of experts leaves the
-        experts each token was routed to in `last_routes` [S, T, layers, k] (int32)."""
+    def forward(self, slots: list[int], tokens: torch.Tensor, starts: list[int],
+                lengths: list[int] | None = None) -> torch.Tensor:
+        """tokens [S, T] (right-padded) at positions starts[s] .. starts[s] + T - 1 of each slot; returns
+        full-vocabulary logits [S, T, vocab] (fp32). Caches K/V of each slot's first lengths[s] tokens (default
+        all T) at its reserved pool positions; the padding after them is neither cached nor attended to by real
+        tokens. A mixture of experts leaves the experts each token was routed to in `last_routes`
+        [S, T, layers, k] (int32)."""
         spec, d = self.spec, self.spec.head_dim
         S, T = tokens.shape
-        if int(starts.max()) + T > self.max_seq_len:
-            raise ValueError(f"sequence of {int(starts.max()) + T} tokens exceeds the engine's max_seq_len "
+        starts = [int(s) for s in starts]
+        lengths = [T] * S if lengths is None else list(lengths)
+        if max(starts) + T > self.max_seq_len:
+            raise ValueError(f"sequence of {max(starts) + T} tokens exceeds the engine's max_seq_len "
                              f"{self.max_seq_len}")
-        tokens, starts = tokens.to(self.device), starts.to(self.device)
-        slot_index = torch.tensor(slots, dtype=torch.long, device=self.device)
-        contiguous = slots == list(range(slots[0], slots[0] + S))
-        positions = starts.unsqueeze(1) + torch.arange(T, device=self.device).unsqueeze(0)  # [S, T]
-        kv_len = int(positions.max()) + 1
+        tokens = tokens.to(self.device)
+        kv_len = max(starts) + T
+        write, rows, read = self._indices(slots, starts, lengths, T, kv_len)
+        starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
+        positions = starts_t.unsqueeze(1) + torch.arange(T, device=self.device).unsqueeze(0)  # [S, T]
         key_pos = torch.arange(kv_len, device=self.device)
         mask = key_pos.view(1, 1, 1, -1) <= positions.view(S, 1, T, 1)  # causal over the cached prefix
         if spec.sliding_window is not None:  # itself and the sliding_window - 1 positions before it
@@ -249,21 +309,11 @@ class TPDecoder:
                 q, k = self._norm(q, f"{p}.self_attn.q_norm.weight"), self._norm(k, f"{p}.self_attn.k_norm.weight")
             q = self._rope(q.transpose(1, 2), positions)
             k = self._rope(k.transpose(1, 2), positions)
-            v = v.view(S, T, self.kv_heads, d).transpose(1, 2)
-            if T == 1:  # decode: one vectorized write for all slots
-                self.k_cache[i, slot_index, :, starts] = k[:, :, 0]
-                self.v_cache[i, slot_index, :, starts] = v[:, :, 0]
-            else:
-                for s, slot in enumerate(slots):
-                    start = int(starts[s])
-                    self.k_cache[i, slot, :, start:start + T] = k[s]
-                    self.v_cache[i, slot, :, start:start + T] = v[s]
-            if contiguous:  # a view, no copy
-                keys = self.k_cache[i, slots[0]:slots[0] + S, :, :kv_len]
-                values = self.v_cache[i, slots[0]:slots[0] + S, :, :kv_len]
-            else:
-                keys = self.k_cache[i, slot_index, :, :kv_len]
-                values = self.v_cache[i, slot_index, :, :kv_len]
+            v = v.view(S, T, self.kv_heads, d)
+            self.k_cache[i].index_copy_(0, write, k.transpose(1, 2).reshape(S * T, self.kv_heads, d)[rows])
+            self.v_cache[i].index_copy_(0, write, v.reshape(S * T, self.kv_heads, d)[rows])
+            keys = self.k_cache[i][read].transpose(1, 2)  # [S, kv_heads, kv_len, d]
+            values = self.v_cache[i][read].transpose(1, 2)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=self.q_heads != self.kv_heads)
             attn = attn.transpose(1, 2).reshape(S, T, q_size)

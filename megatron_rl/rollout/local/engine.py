@@ -88,7 +88,8 @@ class LocalEngine:
     @classmethod
     def from_hf(cls, hf_dir: str, tp_size: int = 1, group=None, dtype: torch.dtype = torch.float32,
                 fp8: bool = False, max_slots: int = 64, max_seq_len: int = 512, seed: int = 0,
-                chunk_tokens: int | None = None, device: torch.device | str = "cpu", ep_size: int = 1) -> LocalEngine:
+                chunk_tokens: int | None = None, device: torch.device | str = "cpu", ep_size: int = 1,
+                kv_cache_tokens: int | None = None) -> LocalEngine:
         """Load an HF checkpoint (hub names; experts one tensor each). tp_size > 1: call on every rank of `group`
         (default: the whole world). `ep_size`: --rollout-expert-parallel-size (SGLang's --ep-size)."""
         ckpt = HFCheckpoint(hf_dir)
@@ -102,7 +103,8 @@ class LocalEngine:
                 raise ValueError(f"--rollout-tensor-parallel-size {tp_size} does not match the engine group's "
                                  f"size {group_size}")
             tp_rank = dist.get_rank(group)
-        decoder = TPDecoder(spec, tp_size, tp_rank, group, dtype, fp8, max_slots, max_seq_len, device, ep_size)
+        decoder = TPDecoder(spec, tp_size, tp_rank, group, dtype, fp8, max_slots, max_seq_len, device, ep_size,
+                            kv_cache_tokens)
         params: dict[str, torch.Tensor] = {}
         for name, lay in decoder.layouts.items():
             decoder.load(name, weight_map.assemble(lay, ckpt.get_slice), params)
@@ -118,6 +120,10 @@ class LocalEngine:
         if len(prompt_token_ids) + params.max_new_tokens > self.decoder.max_seq_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
                              f"exceeds the engine's max_seq_len {self.decoder.max_seq_len}")
+        if len(prompt_token_ids) + params.max_new_tokens > self.decoder.kv_cache_tokens:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds the engine's KV cache of {self.decoder.kv_cache_tokens} tokens "
+                             "(--rollout-kv-cache-tokens)")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {self.spec.vocab_size}): {bad[:5]}")
@@ -163,21 +169,25 @@ class LocalEngine:
             self._resume_deferred()  # nothing else is waiting: chunked requests go on
         finished: list[RolloutOutput] = []
         admitted, next_logits = [], []
+        # Admission in queue order, while a slot and the KV positions of the request's whole sequence (prompt and
+        # max_new_tokens) are free: a running request never runs out of KV cache, so nothing is preempted.
         while self._queue and self._free_slots:
-            req = self._queue.popleft()
-            self._free_slots.sort()  # lowest slots first: running requests stay contiguous (no KV gather)
-            req.slot = self._free_slots.pop(0)
+            req = self._queue[0]
+            slot = min(self._free_slots)
+            if not self.decoder.reserve(slot, len(req.prompt) + req.params.max_new_tokens):
+                break
+            self._queue.popleft()
+            self._free_slots.remove(slot)
+            req.slot = slot
             admitted.append(req)
         if admitted:
             # One right-padded prefill for everything admitted; a resumed request recomputes its whole prefix.
-            # Padding positions are cached past each prompt's end, never attended to (causal), and
-            # overwritten by decoding.
             prefixes = [r.prompt + r.generated for r in admitted]
             width = max(len(t) for t in prefixes)
             tokens = torch.tensor([t + [0] * (width - len(t)) for t in prefixes])
             last = torch.tensor([len(t) - 1 for t in prefixes], device=self.decoder.device)
-            starts = torch.zeros(len(admitted), dtype=torch.long)
-            logits = self.decoder.forward([r.slot for r in admitted], tokens, starts)
+            logits = self.decoder.forward([r.slot for r in admitted], tokens, [0] * len(admitted),
+                                          [len(t) for t in prefixes])
             next_logits.append(logits[torch.arange(len(admitted), device=last.device), last])
             routes = self._routes()
             for s, (r, t) in enumerate(zip(admitted, prefixes)):
@@ -187,7 +197,7 @@ class LocalEngine:
         decoding = sorted(self._running, key=lambda r: r.slot)
         if decoding:
             tokens = torch.tensor([[r.generated[-1]] for r in decoding])
-            starts = torch.tensor([r.cached for r in decoding])
+            starts = [r.cached for r in decoding]
             next_logits.append(self.decoder.forward([r.slot for r in decoding], tokens, starts)[:, -1])
             routes = self._routes()
             for s, r in enumerate(decoding):
@@ -200,17 +210,21 @@ class LocalEngine:
         for r in self._running:
             reason = self._finish_reason(r)
             if reason is None and self.chunk_tokens and r.this_version >= self.chunk_tokens:
-                self._free_slots.append(r.slot)  # chunk boundary: yield the slot, keep the tokens
-                r.slot, r.cached = None, 0
+                self._free_slot(r)  # chunk boundary: yield the slot, keep the tokens
                 self._deferred.append(r)
             elif reason is None:
                 still.append(r)
             else:
-                self._free_slots.append(r.slot)
-                r.slot = None
+                self._free_slot(r)
                 finished.append(r.output(reason))
         self._running = still
         return finished
+
+    def _free_slot(self, r: _Request) -> None:
+        """Give back the request's slot and its KV positions; it keeps its tokens."""
+        self.decoder.release(r.slot)
+        self._free_slots.append(r.slot)
+        r.slot, r.cached = None, 0
 
     def _routes(self) -> torch.Tensor | None:
         """The last forward's routes on the CPU (one small int32 copy per step), or None when not recorded."""
@@ -248,8 +262,7 @@ class LocalEngine:
             return []
         running, self._running = self._running, []
         for r in running:
-            self._free_slots.append(r.slot)
-            r.slot, r.cached = None, 0
+            self._free_slot(r)
         if mode == "abort":
             aborted = [r.output("abort") for r in running + list(self._queue) + self._deferred]
             self._queue.clear()
@@ -296,12 +309,19 @@ class LocalEngine:
     # ---- scoring ----------------------------------------------------------------------------------------------------
     def score(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
         """log_softmax(logits / temperature) of token_ids[1:] given their prefixes (teacher forcing)."""
-        slot = self.decoder.max_slots - 1
-        logits = self.decoder.forward([slot], torch.tensor([token_ids]), torch.tensor([0]))[0]
+        logits = self.logits(token_ids)
         logprobs = torch.log_softmax(logits[:-1] / temperature, -1)
         targets = torch.tensor(token_ids[1:], device=logprobs.device)
         return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Full-vocabulary logits [len(token_ids), vocab] of one sequence, on the slot kept for scoring."""
         slot = self.decoder.max_slots - 1
-        return self.decoder.forward([slot], torch.tensor([token_ids]), torch.tensor([0]))[0]
+        if not self.decoder.reserve(slot, len(token_ids)):
+            raise RuntimeError(f"scoring {len(token_ids)} tokens needs that many free KV cache positions; "
+                               f"{self.decoder.free_kv_tokens} of {self.decoder.kv_cache_tokens} are free "
+                               "(--rollout-kv-cache-tokens)")
+        try:
+            return self.decoder.forward([slot], torch.tensor([token_ids]), [0])[0]
+        finally:
+            self.decoder.release(slot)

@@ -36,15 +36,16 @@ def build_engine(setup: RunSetup, roles: Roles) -> SGLangEngine:
                                 fp8=setup.generator.fp8) if roles.is_leader else None
     # The run's own server settings; --sglang-<flag> adds the rest (checked by the run setup, which refuses the
     # flags set here and in SGLangServer.launch: sglang.flags.RUN_CONTROLLED).
-    flags = {"max_running_requests": args.rollout_max_running, "context_length": args.seq_length,
-             "random_seed": args.seed, **setup.sglang_flags}
+    flags = {"context_length": args.seq_length, "random_seed": args.seed,
+             **server_sizing(args.rollout_max_running, args.rollout_kv_cache_tokens, args.seq_length,
+                             torch.cuda.is_available()),
+             **setup.sglang_flags}
     url = args.rollout_server_urls[roles.replica] if args.rollout_server_urls else None
     key = getattr(args, "sglang_api_key", None)  # an arguments.Secret: unwrapped only here, for the server's client
     return start_replica_engine(setup.spec, setup.generator.tensor_parallel_size, roles.replica_group,
                                 roles.is_leader, model_dir, os.path.join(directory, "server.log"), url=url,
                                 api_key=key.value if key is not None else None,
                                 extra_flags=flags, dtype="bfloat16" if args.bf16 else "float32",
-                                max_total_tokens=max(args.rollout_max_running * args.seq_length, 8192),
                                 timeout_s=args.rollout_server_timeout,
                                 stall_timeout_s=args.rollout_server_stall_timeout,
                                 max_restarts=args.rollout_server_max_restarts,
@@ -53,6 +54,21 @@ def build_engine(setup: RunSetup, roles: Roles) -> SGLangEngine:
                                     in_place=args.rollout_pause_mode == "in_place",
                                     routing_replay=args.use_rollout_routing_replay),
                                 return_routed_experts=args.use_rollout_routing_replay, replica=roles.replica)
+
+
+def server_sizing(max_running: int | None, kv_cache_tokens: int | None, seq_length: int, cuda: bool) -> dict:
+    """How many requests and KV tokens a launched server takes: what --rollout-max-running and
+    --rollout-kv-cache-tokens say; unset, SGLang sizes both from its GPUs' memory (--sglang-mem-fraction-static).
+    On CPUs SGLang cannot measure the memory a rank may use, so the KV cache defaults to 64 sequences of
+    --seq-length (at least 8192 tokens)."""
+    flags = {}
+    if max_running is not None:
+        flags["max_running_requests"] = max_running
+    if kv_cache_tokens is not None:
+        flags["max_total_tokens"] = kv_cache_tokens
+    elif not cuda:
+        flags["max_total_tokens"] = max((max_running or 64) * seq_length, 8192)
+    return flags
 
 
 def check_setup(args, spec: ModelSpec) -> dict:

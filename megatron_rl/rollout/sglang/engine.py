@@ -448,7 +448,7 @@ def _share_from_leader(box: list, group) -> None:
 
 def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, model_dir: str, log_path: str,
                          port: int | None = None, url: str | None = None, extra_flags: dict | None = None,
-                         dtype: str = "float32", load_format: str = "dummy", max_total_tokens: int = 65536,
+                         dtype: str = "float32", load_format: str = "dummy", max_total_tokens: int | None = None,
                          timeout_s: float = 600.0, required_flags: dict | None = None, replica: int | None = None,
                          api_key: str | None = None, **engine_options) -> SGLangEngine:
     """Called on every rank of a generator replica (`replica`: its index, for messages). The leader launches its

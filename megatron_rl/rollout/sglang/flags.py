@@ -45,6 +45,7 @@ RUN_CONTROLLED = {
     "random_seed": "--seed sets it",
     "context_length": "--seq-length sets it",
     "max_running_requests": "--rollout-max-running sets it",
+    "max_total_tokens": "--rollout-kv-cache-tokens sets it",
     "api_key": "--sglang-api-key sets it, or env SGLANG_API_KEY: the run's client sends the same key",
     "admin_api_key": "the run's client authenticates every request with --sglang-api-key, and with an admin key set "
                      "SGLang takes only that one for weight updates and pauses",

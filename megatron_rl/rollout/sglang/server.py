@@ -118,7 +118,7 @@ def server_gpu_flags(local_rank: int, tp_size: int, cuda_visible_devices: str | 
 
 def launch_command(model_path: str, tp_size: int, port: int, *, environ: Mapping[str, str], cuda_available: bool,
                    device_count: int | None = None, cpu_count: int = 1, dtype: str = "float32",
-                   max_total_tokens: int = 65536, extra_flags: dict | None = None, load_format: str = "dummy",
+                   max_total_tokens: int | None = None, extra_flags: dict | None = None, load_format: str = "dummy",
                    host: str = "127.0.0.1", replica: int | None = None, api_key: str | None = None,
                    python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of one replica's `sglang.launch_server`, from explicit inputs: `environ`
@@ -223,15 +223,16 @@ class SGLangServer:
     # ---- start -------------------------------------------------------------------------------------------------
     @classmethod
     def launch(cls, model_path: str, tp_size: int, port: int, log_path: str, dtype: str = "float32",
-               max_total_tokens: int = 65536, extra_flags: dict | None = None, load_format: str = "dummy",
+               max_total_tokens: int | None = None, extra_flags: dict | None = None, load_format: str = "dummy",
                host: str = "127.0.0.1", timeout_s: float = 600.0, replica: int | None = None,
                api_key: str | None = None) -> SGLangServer:
         """Start a server from this process (a replica's leader; `launch_command` says with which flags, GPUs
         and environment) and wait until it answers. `load_format="dummy"` starts with random weights, reported
         as weight version -1 until the first update; any other format loads the checkpoint, served as version 0.
-        `max_total_tokens` sizes the KV cache: on CPU SGLang cannot measure the memory free per rank and would
-        otherwise size it from the whole machine's memory. `host`: the address the server listens on, loopback
-        by default (the leader is on the same node); `api_key`: the server's --api-key, sent with every request."""
+        `max_total_tokens` sizes the KV cache (None: SGLang sizes it from the GPUs' memory; on CPU it cannot
+        measure the memory free per rank and would size it from the whole machine's, so give it there). `host`:
+        the address the server listens on, loopback by default (the leader is on the same node); `api_key`: the
+        server's --api-key, sent with every request."""
         cuda = torch.cuda.is_available()
         command, env = launch_command(model_path, tp_size, port, environ=os.environ, cuda_available=cuda,
                                       device_count=torch.cuda.device_count() if cuda else None,
