@@ -25,6 +25,23 @@ def main(argv=None) -> int:
     return 0
 
 
+def _device(args, setup):
+    """This rank's device (`runtime.device.select_device`). A generator rank of an SGLang server computes on the GPU
+    of its SGLang TP worker when the run launched the server (DDMA lands there, and the worker opens it through CUDA
+    IPC), and on the CPU for an attached server, which may sit on other GPUs (shared memory on the same node)."""
+    from megatron_rl.runtime.device import select_device
+
+    local_rank, rank = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("RANK", "0"))
+    if args.rollout_backend != "sglang" or rank < setup.trainer.world_size:
+        return select_device(args.device, local_rank)
+    if args.rollout_server_urls:
+        return select_device("cpu")
+    from megatron_rl.rollout.sglang.server import worker_gpu
+
+    tp_rank = (rank - setup.trainer.world_size) % setup.generator.tensor_parallel_size
+    return select_device(args.device, worker_gpu(local_rank, tp_rank, setup.sglang_flags))
+
+
 def run(args) -> None:
     """One rank of a launch: build the run setup, this rank's role and executor, and (on trainer rank 0) the
     controller beside the trainer executor; then run until the controller says stop."""
@@ -32,7 +49,6 @@ def run(args) -> None:
 
     from megatron_rl.config.setup import build_run_setup
     from megatron_rl.runtime.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
-    from megatron_rl.runtime.device import select_device
     from megatron_rl.runtime.early_exit import EarlyExit
     from megatron_rl.runtime.lifetime import reap_when_gone
     from megatron_rl.runtime.roles import init_roles
@@ -40,10 +56,7 @@ def run(args) -> None:
     setup = build_run_setup(args, int(os.environ.get("WORLD_SIZE", "1")))
     early_exit = EarlyExit.from_args(args)  # every rank: the signal only stops the controller, which stops the rest
     reap_when_gone()  # whatever this rank starts from here on dies with it
-    # A generator rank of an SGLang replica computes nothing itself: its server has the replica's GPUs, and DDMA
-    # lands in the rank's host memory, which the server copies from (see docs/sglang.md).
-    sglang_rank = args.rollout_backend == "sglang" and int(os.environ.get("RANK", "0")) >= setup.trainer.world_size
-    device = select_device("cpu" if sglang_rank else args.device)
+    device = _device(args, setup)
     roles = init_roles(setup.trainer.world_size, setup.generator.tensor_parallel_size,
                        setup.generator.num_replicas, device=device, timeout_minutes=args.distributed_timeout_minutes)
     if not roles.is_trainer:

@@ -20,6 +20,7 @@ from megatron_rl.config.memory import (
     trainer_memory,
 )
 from megatron_rl.ddma import full_experts_baseline, gather_broadcast_baseline, summarize
+from megatron_rl.ddma.sync import ROUNDS_IN_FLIGHT, schedule
 
 
 def dry_run(args, world_size: int) -> dict:
@@ -51,7 +52,13 @@ def dry_run(args, world_size: int) -> dict:
     setup = build_run_setup(args, world_size, tokenizer=tokenizer)
     spec, trainer, generator = setup.spec, setup.trainer, setup.generator
     plan = setup.plan()
-    ddma = summarize(plan)
+    transport, why = expected_transport(args, world_size, trainer.world_size)
+    ddma = summarize(plan, transport=transport)
+    ddma["transport_why"] = why
+    rounds = schedule(plan, args.ddma_bucket_mb * 2**20)
+    busiest = max(plan.by_rank, key=lambda r: (plan.bytes_sent(r) + plan.bytes_received(r), -r))
+    ddma["rounds_of_busiest_rank"] = len(rounds.rounds(busiest))
+    ddma["max_in_flight_bytes"] = rounds.in_flight_bound(busiest)
     ddma["baseline"] = gather_broadcast_baseline(plan)
     if spec.is_moe:
         ddma["full_experts"] = full_experts_baseline(plan)
@@ -96,6 +103,22 @@ def dry_run(args, world_size: int) -> dict:
         "ddma": ddma,
         "micro_batches": _micro_batches(args),
     }
+
+
+def expected_transport(args, world_size: int, trainer_world_size: int) -> tuple[str, str]:
+    """The DDMA transport the launch would choose (`ddma.transport.choose_transport`, given the devices its ranks
+    would get): every rank on a GPU of its own unless --device cpu, except the generator ranks of attached SGLang
+    servers (--rollout-server-urls), which stay on the CPU."""
+    from megatron_rl.ddma.transport import choose_transport
+    from megatron_rl.runtime.device import DeviceId
+
+    def device(rank: int) -> DeviceId:
+        on_cpu = args.device == "cpu" or (rank >= trainer_world_size and args.rollout_backend == "sglang"
+                                          and args.rollout_server_urls)
+        node = f"node{rank // 8}"
+        return DeviceId(node, "cpu", "") if on_cpu else DeviceId(node, "cuda", f"GPU-{rank}")
+
+    return choose_transport([device(r) for r in range(world_size)])
 
 
 def _micro_batches(args) -> dict:
@@ -157,9 +180,12 @@ def main(args) -> int:
         print("  less memory per GPU: --sequence-parallel, --recompute-granularity full, a smaller "
               "--max-tokens-per-gpu (with --use-dynamic-batch-size) or --micro-batch-size, a larger TP or PP")
     d = report["ddma"]
-    print(f"DDMA: {d['num_transfers']} transfers, {d['total_bytes'] / 1e9:.1f} GB, busiest GPU sends "
+    print(f"DDMA over {d['transport']} ({d['transport_why']}): {d['num_transfers']} transfers, "
+          f"{d['total_bytes'] / 1e9:.1f} GB, busiest GPU sends "
           f"{d['max_send_bytes'] / 1e9:.2f} GB / receives {d['max_recv_bytes'] / 1e9:.2f} GB, estimated "
-          f"{d['estimated_seconds']:.2f} s (gather-and-broadcast: {d['baseline']['estimated_seconds']:.2f} s)")
+          f"{d['estimated_seconds']:.2f} s (gather-and-broadcast: {d['baseline']['estimated_seconds']:.2f} s); "
+          f"the busiest rank moves {d['rounds_of_busiest_rank']} rounds of at most --ddma-bucket-mb "
+          f"{args.ddma_bucket_mb}, {ROUNDS_IN_FLIGHT} in flight: {d['max_in_flight_bytes'] / 2**30:.2f} GiB at once")
     if moe:
         f = d["full_experts"]
         print(f"DDMA experts: a generator GPU receives {f['sharded_recv_bytes'] / 1e9:.2f} GB, its own experts; "

@@ -78,10 +78,13 @@ class Plan:
     def bytes_received(self, rank: int) -> int:
         return sum(p.nbytes for p in self.recvs(rank))
 
+    def tensor_bytes(self, rank: int, name: str) -> int:
+        """Memory of generator `rank`'s runtime tensor `name` (FP8 values or the trainer dtype; padding included)."""
+        return self.runtime[rank][name].numel * (1 if name in self.quantized_tensors else self.trainer.dtype_bytes)
+
     def shard_bytes(self, rank: int) -> int:
-        """Memory of generator `rank`'s runtime weights (FP8 values or the trainer dtype; padding included)."""
-        return sum(shard.numel * (1 if name in self.quantized_tensors else self.trainer.dtype_bytes)
-                   for name, shard in self.runtime[rank].items())
+        """Memory of generator `rank`'s runtime weights."""
+        return sum(self.tensor_bytes(rank, name) for name in self.runtime[rank])
 
 
 def piece_nbytes(length: int, row_numel: int, quantize: bool, dtype_bytes: int) -> int:
@@ -211,15 +214,33 @@ def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayou
     return Plan(spec, trainer, generator, pieces, runtime, frozenset(quantized))
 
 
+# Assumed link speeds (Gb/s per rank) of the transports other than NCCL: gloo moves bytes over TCP (about this much
+# per connection on a data-center NIC or the loopback device), and the staged path adds a copy from the sender's GPU
+# to host memory and one from host memory to the receiver's GPU (PCIe).
+GLOO_GBPS, PCIE_GBPS = 20.0, 200.0
+
+
+def link_gbps(transport: str, same_node: bool, inter_node_gbps: float, nvlink_gbps: float) -> float:
+    """The speed one transfer of `transport` ("nccl", "gloo", "staged") gets (Gb/s)."""
+    if transport == "nccl":
+        return nvlink_gbps if same_node else inter_node_gbps
+    if transport == "gloo":
+        return GLOO_GBPS
+    if transport == "staged":
+        return 1 / (1 / GLOO_GBPS + 2 / PCIE_GBPS)
+    raise ValueError(f"unknown DDMA transport {transport!r}")
+
+
 def summarize(plan: Plan, inter_node_gbps: float = 400.0, nvlink_gbps: float = 3600.0,
-              gpus_per_node: int = 8) -> dict:
-    """Bytes and an estimated time: each GPU's busiest direction over its link (full duplex), links of
-    GPUs on the same node at NVLink speed and across nodes at the inter-node speed (Gb/s per GPU)."""
+              gpus_per_node: int = 8, transport: str = "nccl") -> dict:
+    """Bytes and an estimated time: each rank's busiest direction over its link (full duplex). With NCCL, links of
+    GPUs on the same node run at NVLink speed and across nodes at the inter-node speed (Gb/s per GPU); gloo and the
+    staged path at `link_gbps`'s assumed speeds."""
     send, recv = defaultdict(int), defaultdict(int)
     send_time, recv_time = defaultdict(float), defaultdict(float)
     for p in plan.pieces:
         same_node = p.src // gpus_per_node == p.dst // gpus_per_node
-        rate = (nvlink_gbps if same_node else inter_node_gbps) * 1e9 / 8
+        rate = link_gbps(transport, same_node, inter_node_gbps, nvlink_gbps) * 1e9 / 8
         send[p.src] += p.nbytes
         recv[p.dst] += p.nbytes
         send_time[p.src] += p.nbytes / rate
@@ -230,6 +251,7 @@ def summarize(plan: Plan, inter_node_gbps: float = 400.0, nvlink_gbps: float = 3
         "max_recv_bytes": max(recv.values(), default=0),
         "num_transfers": len(plan.pieces),
         "estimated_seconds": max(list(send_time.values()) + list(recv_time.values()), default=0.0),
+        "transport": transport,
     }
 
 

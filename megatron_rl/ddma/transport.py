@@ -1,15 +1,19 @@
 """Point-to-point transport for DDMA, behind a small interface so that a CUDA-IPC or RDMA transport can
-replace it. The torch.distributed one posts every send and receive of a round at once and counts the bytes each
-rank moves. Buffers are byte views of the source and destination tensors themselves, so contiguous pieces are
-never copied.
+replace it. The torch.distributed one posts every send and receive of a round as one `batch_isend_irecv` (one
+NCCL group on GPUs; gloo has no groups and takes them one by one) and counts the bytes each rank moves. Buffers are
+byte views of the source and destination tensors themselves, so contiguous pieces are never copied.
 
 Which one a run uses follows from where its ranks compute (`choose_transport`): gloo when every rank is on a CPU;
-NCCL between GPU memories when every rank has a GPU of its own (the paper's path); and, when ranks share a GPU
-(a one-GPU machine: NCCL refuses two ranks on one device) or mix CPUs and GPUs, gloo through pinned host buffers.
+NCCL between GPU memories when every rank has a GPU of its own (the paper's path: an SGLang generator rank lives on
+its TP worker's GPU); and, when ranks share a GPU (a one-GPU machine: NCCL refuses two ranks on one device) or mix
+CPUs and GPUs, gloo through pinned host buffers. The group spans every rank of the launch, is made by every rank
+in the same order (`make_transport`), and on NCCL is bound to the rank's GPU and connected at once: one
+communicator for all pairs, not one per pair made on first use.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Protocol
 
 import torch
@@ -31,20 +35,25 @@ class Transport(Protocol):
 
 class Transfer:
     """Posted point-to-point operations and their buffers (which must stay untouched until `wait` returns);
-    `wait` blocks until all completed and counts their bytes on the transport. A peer that died or stayed silent
-    for the group's timeout is raised as `multinode.LostPeer` naming its rank and node."""
+    `wait` blocks until all completed (on a GPU: until the device finished them, so that received bytes are there
+    and sent buffers may be reused) and counts their bytes on the transport. A peer that died or stayed silent for
+    the group's timeout is raised as `multinode.LostPeer` naming it (one of the round's peers, on NCCL)."""
 
-    def __init__(self, transport, works: list[tuple[int, object]], sends: list[tuple[int, torch.Tensor]],
+    def __init__(self, transport, works: list, sends: list[tuple[int, torch.Tensor]],
                  recvs: list[tuple[int, torch.Tensor]], copies: list[tuple[torch.Tensor, torch.Tensor]] = ()):
         self.transport, self.works, self.sends, self.recvs = transport, works, sends, recvs
         self.copies = list(copies)  # (destination, staging buffer) pairs to copy once the receives completed
 
     def wait(self) -> None:
-        for peer, work in self.works:
-            try:
+        peers = sorted({peer for peer, _ in self.sends + self.recvs})
+        try:
+            for work in self.works:
                 work.wait()
-            except RuntimeError as e:  # the peer's process or node died, or the group's timeout passed
-                raise lost_peer("a DDMA transfer with", peer, e) from e
+            device = next((b.device for _, b in self.sends + self.recvs if b.device.type == "cuda"), None)
+            if device is not None:
+                torch.cuda.current_stream(device).synchronize()
+        except RuntimeError as e:  # the peer's process or node died, or the group's timeout passed
+            raise lost_peer("a DDMA transfer with", peers[0] if len(peers) == 1 else None, e, peers) from e
         for destination, staging in self.copies:
             destination.copy_(staging, non_blocking=True)
         self.copies = []
@@ -54,10 +63,8 @@ class Transfer:
 
 
 class TorchDistTransport:
-    """Over a torch.distributed ProcessGroup: the default world, or a standalone group that spans trainer
-    and generator ranks (the controller's sync group). Peers are ranks of that group."""
-
-    TAG = 7
+    """Over a torch.distributed group known to torch.distributed (`new_ddma_group`, or the default group in tests);
+    peers are its ranks, which are the launch's global ranks."""
 
     def __init__(self, group=None):
         self.group = group
@@ -65,9 +72,9 @@ class TorchDistTransport:
         self.bytes_received = 0
 
     def start(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> Transfer:
-        pg = self.group if self.group is not None else dist.group.WORLD
-        works = [(peer, pg.send([buf], peer, self.TAG)) for peer, buf in sends]
-        works += [(peer, pg.recv([buf], peer, self.TAG)) for peer, buf in recvs]
+        ops = [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in sends]
+        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recvs]
+        works = [w for w in dist.batch_isend_irecv(ops) if w is not None] if ops else []
         return Transfer(self, works, sends, recvs)
 
 
@@ -106,19 +113,30 @@ def choose_transport(devices: list[DeviceId]) -> tuple[str, str]:
     return "nccl", f"{len(devices)} ranks on {len(devices)} distinct GPUs: NCCL between GPU memories"
 
 
+_groups = itertools.count()
+
+
+def new_ddma_group(roles, backend: str, device: torch.device | None = None):
+    """A group over every rank of the launch, on its store, whose ranks are the global ranks. Every rank must call
+    it, in the same order. Made like torch.distributed's own groups (and SGLang's custom weight-update groups)
+    rather than with `new_group`, because each role's default group holds only that role's ranks; with `device` (a
+    GPU) it is bound to it and NCCL connects now."""
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+
+    name = f"megatron_rl_ddma_{next(_groups)}"
+    group, _ = _new_process_group_helper(roles.world_size, roles.rank, [], backend, dist.PrefixStore(name, roles.store),
+                                         group_name=name, timeout=roles.timeout, device_id=device)
+    _world.pg_group_ranks[group] = {r: r for r in range(roles.world_size)}
+    return group
+
+
 def make_transport(roles) -> Transport:
-    """The DDMA transport for this rank of a launch (`roles.Roles`). Every rank must call it: with NCCL it creates
-    a process group over all ranks (trainer and generators), on the launch's store."""
+    """The DDMA transport for this rank of a launch (`roles.Roles`). Every rank must call it, in the same order:
+    it makes a group over all ranks (trainer and generators) on the launch's store."""
     kind, why = choose_transport(roles.devices)
     if roles.rank == 0:
         print(f"[megatron-rl] DDMA transport: {kind} ({why})", flush=True)
     if kind == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = roles.timeout
-        options.group_name = "megatron_rl_ddma"
-        options.global_ranks_in_group = list(range(roles.world_size))
-        group = dist.ProcessGroupNCCL(dist.PrefixStore("ddma/", roles.store), roles.rank, roles.world_size, options)
-        return TorchDistTransport(group)
-    if kind == "staged":
-        return StagedTransport(roles.sync_group)
-    return TorchDistTransport(roles.sync_group)
+        return TorchDistTransport(new_ddma_group(roles, "nccl", torch.device(roles.device)))
+    group = new_ddma_group(roles, "gloo")
+    return StagedTransport(group) if kind == "staged" else TorchDistTransport(group)

@@ -233,6 +233,9 @@ class GeneratorLayout:
     def rank(self, replica: int, tp: int) -> int:
         return self.first_rank + replica * self.tensor_parallel_size + tp
 
+    def replica_of(self, rank: int) -> int:
+        return (rank - self.first_rank) // self.tensor_parallel_size
+
     def describe(self) -> str:
         return (f"generator TP={self.tensor_parallel_size}"
                 f"{f' EP={self.expert_parallel_size}' if self.expert_parallel_size > 1 else ''} x "

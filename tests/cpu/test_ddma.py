@@ -13,6 +13,7 @@ import torch
 from helpers import ROOT, mismatched_generator_tensors, random_hf_weights
 
 from megatron_rl.ddma.plan import make_plan, summarize
+from megatron_rl.ddma.sync import ROUNDS_IN_FLIGHT, message_bytes, schedule
 from megatron_rl.models import weight_map
 from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import get_model_spec
@@ -35,6 +36,27 @@ def _sync_all_cases(cases):
     from megatron_rl.rollout.local.decoder import TPDecoder
     from megatron_rl.rollout.local.engine import LocalEngine
 
+    class InFlightTransport(TorchDistTransport):
+        """Counts the bytes posted and not yet waited for, and the most there were at once."""
+
+        def __init__(self):
+            super().__init__()
+            self.posted = self.most = 0
+
+        def start(self, sends, recvs):
+            transfer = super().start(sends, recvs)
+            nbytes = sum(b.numel() for _, b in sends + recvs)
+            self.posted += nbytes
+            self.most = max(self.most, self.posted)
+            wait = transfer.wait
+
+            def counted_wait():
+                wait()
+                self.posted -= nbytes
+
+            transfer.wait = counted_wait
+            return transfer
+
     rank = dist.get_rank()
     report = []
     for case, (spec, (tp, pp, dp), (gtp, replicas), fp8) in enumerate(cases):
@@ -42,7 +64,7 @@ def _sync_all_cases(cases):
         generator = GeneratorLayout(gtp, replicas, fp8=fp8, first_rank=trainer.world_size)
         plan = make_plan(spec, trainer, generator)
         hf = random_hf_weights(spec, seed=case)
-        transport = TorchDistTransport()
+        transport = InFlightTransport()
         result = {"case": case, "rank": rank}
         if rank < trainer.world_size:
             my_tp, my_pp = rank % tp, rank // (tp * dp)
@@ -61,7 +83,8 @@ def _sync_all_cases(cases):
             mismatched = mismatched_generator_tensors(engine, spec, hf, gtp, j)
             result.update(mismatched=mismatched, version=engine.weight_version,
                           fp8_tensors=sum(t.dtype == torch.float8_e4m3fn for t in engine.decoder.params.values()))
-        result.update(sent=transport.bytes_sent, received=transport.bytes_received,
+        result.update(sent=transport.bytes_sent, received=transport.bytes_received, most_in_flight=transport.most,
+                      in_flight_bound=schedule(plan, 4096).in_flight_bound(rank),
                       planned_sent=plan.bytes_sent(rank), planned_received=plan.bytes_received(rank),
                       buckets=sum(1 for p in plan.pieces if rank in (p.src, p.dst)))
         report.append(result)
@@ -128,9 +151,13 @@ def test_generator_weights_equal_sglang_slices_and_bytes_match_plan(reports, cas
         if fp8:
             assert r["fp8_tensors"] == 4 * spec.num_layers
     checksum_bytes = 8
-    for r in rows:  # every rank moved exactly its planned bytes (plus one 8-byte checksum per bucket)
+    for r in rows:  # every rank moved exactly its planned bytes (plus one 8-byte checksum per pair and round)
         assert r["sent"] - r["planned_sent"] in range(0, checksum_bytes * 1000, checksum_bytes), r
         assert r["received"] - r["planned_received"] in range(0, checksum_bytes * 1000, checksum_bytes), r
+        # at most two rounds in flight, and their checksums: a bucket (4096 bytes) each, but for FP8 block rows
+        # (128 x 256 elements here), which travel whole
+        assert r["most_in_flight"] <= r["in_flight_bound"] + ROUNDS_IN_FLIGHT * 8 * 8, r
+        assert fp8 or r["in_flight_bound"] <= ROUNDS_IN_FLIGHT * 4096
 
 
 def test_fp8_sender_quantizes_aligned_models_and_halves_bytes():
@@ -242,3 +269,53 @@ def test_plan_tool_for_qwen3_235b_sends_each_generator_rank_only_its_experts():
 def test_plan_tool_names_the_expert_flag_that_does_not_divide_the_experts(flags, message):
     r, _ = _plan_tool("--model", "qwen3-30b-a3b", *flags)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+SCHEDULED = [(TINY, (2, 2, 1), (2, 2), False, 4096), (ALIGNED, (2, 1, 2), (1, 2), True, 2**18),
+             (get_model_spec("llama3-8b"), (4, 2, 2), (2, 4), True, 64 * 2**20)]
+
+
+@pytest.mark.parametrize("spec,trainer,generator,fp8,bucket", SCHEDULED,
+                         ids=[f"{c[0].name}-{c[4]}" for c in SCHEDULED])
+def test_rounds_bound_what_each_rank_moves_and_both_ends_agree(spec, trainer, generator, fp8, bucket):
+    """The schedule alone (no processes), for two tiny layouts and Llama-3-8B (trainer TP4 PP2 DP2 -> 4 generator
+    replicas at TP2, FP8): every planned byte is in exactly one round; no rank moves more than a bucket in a round;
+    the two ends of every pair list the same messages in the same rounds and order; every runtime tensor completes
+    once, in the round of its last piece; a replica's ranks commit at the same rounds."""
+    t = TrainerLayout(*trainer, dtype_bytes=2)
+    g = GeneratorLayout(*generator, fp8=fp8, first_rank=t.world_size)
+    plan = make_plan(spec, t, g)
+    rounds = schedule(plan, bucket)
+    ranks = sorted(plan.by_rank)
+    per_pair: dict = {}
+    for rank in ranks:
+        for rr in rounds.rounds(rank):
+            assert rr.nbytes <= bucket, (rank, rr.index, rr.nbytes)
+            for peer, m in rr.sends:
+                per_pair.setdefault(("send", rank, peer, rr.index), []).append(m)
+            for peer, m in rr.recvs:
+                per_pair.setdefault(("recv", peer, rank, rr.index), []).append(m)
+        assert rounds.in_flight_bound(rank) <= ROUNDS_IN_FLIGHT * bucket
+    sends = {k[1:]: v for k, v in per_pair.items() if k[0] == "send"}
+    recvs = {k[1:]: v for k, v in per_pair.items() if k[0] == "recv"}
+    assert sends == recvs
+    moved = {}
+    for (src, dst, _), messages in sends.items():
+        moved[(src, dst)] = moved.get((src, dst), 0) + sum(message_bytes(m) for m in messages)
+    planned = {}
+    for p in plan.pieces:
+        planned[(p.src, p.dst)] = planned.get((p.src, p.dst), 0) + p.nbytes
+    assert moved == planned
+    for dst in plan.runtime:
+        completes = rounds.completes(dst)
+        assert sorted(n for names in completes.values() for n in names) == sorted(plan.runtime[dst])
+        last = {}
+        for rr in rounds.rounds(dst):
+            for _, m in rr.recvs:
+                last[m[0].dst_tensor] = rr.index
+        assert all(last[n] == k for k, names in completes.items() for n in names)
+    for replica in range(g.num_replicas):
+        members = [g.rank(replica, j) for j in range(g.tensor_parallel_size)]
+        assert len({tuple(rounds.commits(m)) for m in members}) == 1
+    if bucket >= 2**20:
+        assert rounds.commits(g.rank(0, 0))  # a real model's update is installed in several buckets

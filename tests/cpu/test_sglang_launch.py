@@ -15,7 +15,7 @@ from megatron_rl.data.tokenizer import build_char_tokenizer
 from megatron_rl.rollout.sglang import build_engine as build_sglang_engine
 from megatron_rl.rollout.sglang import engine as sglang_engine
 from megatron_rl.rollout.sglang import server_sizing
-from megatron_rl.rollout.sglang.server import CPU_FLAGS, launch_command, server_gpu_flags
+from megatron_rl.rollout.sglang.server import CPU_FLAGS, CPU_KV_CACHE_TOKENS, launch_command, server_gpu_flags
 from megatron_rl.runtime.roles import Roles
 
 GPUS_PER_NODE = 8
@@ -174,15 +174,14 @@ def test_build_sglang_engine_passes_the_replica_and_the_checked_flags(tmp_path, 
                                      sync_group=None))
     (args, kwargs), = calls
     assert kwargs["replica"] == 1 and args[4].endswith("replica1/model") and kwargs["api_key"] == "sk-1"
-    assert kwargs["extra_flags"] == {"context_length": 64, "random_seed": 1234, "max_total_tokens": 8192,
-                                     "mem_fraction_static": 0.7}
+    assert kwargs["extra_flags"] == {"context_length": 64, "random_seed": 1234, "mem_fraction_static": 0.7}
 
 
 def test_launched_servers_size_themselves_from_gpu_memory_unless_told():
-    assert server_sizing(None, None, 16384, cuda=True) == {}  # SGLang's own sizing (--mem-fraction-static)
-    assert server_sizing(128, 400_000, 16384, cuda=True) == {"max_running_requests": 128, "max_total_tokens": 400_000}
-    # on CPUs SGLang would size the cache from the whole machine's memory: 64 sequences of --seq-length instead
-    assert server_sizing(None, None, 512, cuda=False) == {"max_total_tokens": 64 * 512}
-    assert server_sizing(8, None, 64, cuda=False) == {"max_running_requests": 8, "max_total_tokens": 8192}
+    assert server_sizing(None, None) == {}  # SGLang's own sizing (--mem-fraction-static)
+    assert server_sizing(128, 400_000) == {"max_running_requests": 128, "max_total_tokens": 400_000}
     argv, _ = launch_command("/m", 1, 30000, environ={}, cuda_available=True, device_count=1)
     assert "--max-total-tokens" not in argv and "--max-running-requests" not in argv
+    # on CPUs SGLang would size the cache from the whole machine's memory
+    argv, _ = launch_command("/m", 1, 30000, environ={}, cuda_available=False)
+    assert argv[argv.index("--max-total-tokens") + 1] == str(CPU_KV_CACHE_TOKENS)

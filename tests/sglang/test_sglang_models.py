@@ -50,9 +50,10 @@ def _hf_greedy(model, prompt, steps):
     return tokens[len(prompt):], logprobs
 
 
-def _serve_b_after_a(spec, tp, ep, model_a, model_b, log):
+def _serve_b_after_a(spec, tp, ep, model_a, model_b, log, buckets=1):
     """On every rank of one generator replica (TP `tp`, SGLang --ep-size `ep`): start on checkpoint A, update to B
-    (each rank loads its own TP rank's runtime shards), generate greedily; the leader returns the outputs."""
+    (each rank loads its own TP rank's runtime shards, in `buckets` parts: DDMA's `commit_bucket` after each but
+    the last), generate greedily; the leader returns the outputs."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -63,8 +64,12 @@ def _serve_b_after_a(spec, tp, ep, model_a, model_b, log):
         reader = HFCheckpoint(model_b)
         engine.pause("retract")
         engine.begin_weight_update()
-        shards = weight_map.sglang_shards(spec, tp, rank, ep)
-        engine.load_weights((n, weight_map.assemble(s, reader.get_slice)) for n, s in shards.items())
+        shards = list(weight_map.sglang_shards(spec, tp, rank, ep).items())
+        cut = [len(shards) * i // buckets for i in range(buckets + 1)]
+        for i in range(buckets):
+            engine.load_weights((n, weight_map.assemble(s, reader.get_slice)) for n, s in shards[cut[i]:cut[i + 1]])
+            if i < buckets - 1:
+                engine.commit_bucket()
         engine.end_weight_update(version=1)
         engine.continue_generation()
         return engine.generate(PROMPTS, GREEDY) if rank == 0 else None
@@ -90,6 +95,18 @@ def test_a_weight_update_serves_the_new_checkpoint_as_transformers_does(name, tm
     spec = get_model_spec(name).replace(name=f"{name}-sglang", max_position_embeddings=2048)
     model_a, model_b, reference = _checkpoints(spec, tmp_path)
     _check_against_transformers(reference, _serve_b_after_a(spec, 1, 1, model_a, model_b, str(tmp_path / "log")))
+
+
+def test_an_update_in_buckets_serves_the_new_checkpoint_with_experts_split_across_buckets(tmp_path):
+    """Three buckets of the runtime tensors in their order, so that one layer's experts arrive in two buckets: each
+    bucket goes to SGLang as it is committed, a layer's experts once all arrived (SGLang takes them stacked)."""
+    spec = get_model_spec("tiny-qwen3-moe").replace(name="tiny-qwen3-moe-sglang", max_position_embeddings=2048)
+    names = list(weight_map.sglang_shards(spec, 1, 0, 1))
+    third = names[len(names) // 3]
+    assert ".experts." in third and ".experts." in names[len(names) // 3 - 1]  # the cut falls inside a layer's experts
+    model_a, model_b, reference = _checkpoints(spec, tmp_path)
+    _check_against_transformers(reference, _serve_b_after_a(spec, 1, 1, model_a, model_b, str(tmp_path / "log"),
+                                                            buckets=3))
 
 
 def test_expert_tensor_parallel_ranks_get_their_rows_of_every_expert(tmp_path):

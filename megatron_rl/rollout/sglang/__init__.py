@@ -37,8 +37,7 @@ def build_engine(setup: RunSetup, roles: Roles) -> SGLangEngine:
     # The run's own server settings; --sglang-<flag> adds the rest (checked by the run setup, which refuses the
     # flags set here and in SGLangServer.launch: sglang.flags.RUN_CONTROLLED).
     flags = {"context_length": args.seq_length, "random_seed": args.seed,
-             **server_sizing(args.rollout_max_running, args.rollout_kv_cache_tokens, args.seq_length,
-                             torch.cuda.is_available()),
+             **server_sizing(args.rollout_max_running, args.rollout_kv_cache_tokens),
              **setup.sglang_flags}
     url = args.rollout_server_urls[roles.replica] if args.rollout_server_urls else None
     key = getattr(args, "sglang_api_key", None)  # an arguments.Secret: unwrapped only here, for the server's client
@@ -53,21 +52,20 @@ def build_engine(setup: RunSetup, roles: Roles) -> SGLangEngine:
                                     setup.spec, setup.generator.expert_parallel_size,
                                     in_place=args.rollout_pause_mode == "in_place",
                                     routing_replay=args.use_rollout_routing_replay),
-                                return_routed_experts=args.use_rollout_routing_replay, replica=roles.replica)
+                                return_routed_experts=args.use_rollout_routing_replay, replica=roles.replica,
+                                install_in_buckets=torch.device(roles.device).type == "cuda",
+                                expert_parallel_size=setup.generator.expert_parallel_size)
 
 
-def server_sizing(max_running: int | None, kv_cache_tokens: int | None, seq_length: int, cuda: bool) -> dict:
+def server_sizing(max_running: int | None, kv_cache_tokens: int | None) -> dict:
     """How many requests and KV tokens a launched server takes: what --rollout-max-running and
-    --rollout-kv-cache-tokens say; unset, SGLang sizes both from its GPUs' memory (--sglang-mem-fraction-static).
-    On CPUs SGLang cannot measure the memory a rank may use, so the KV cache defaults to 64 sequences of
-    --seq-length (at least 8192 tokens)."""
+    --rollout-kv-cache-tokens say; unset, SGLang sizes both from its GPUs' memory (--sglang-mem-fraction-static),
+    and on CPUs `server.launch_command` gives it CPU_KV_CACHE_TOKENS."""
     flags = {}
     if max_running is not None:
         flags["max_running_requests"] = max_running
     if kv_cache_tokens is not None:
         flags["max_total_tokens"] = kv_cache_tokens
-    elif not cuda:
-        flags["max_total_tokens"] = max((max_running or 64) * seq_length, 8192)
     return flags
 
 

@@ -149,6 +149,18 @@ def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _split_ready(staged: dict[str, torch.Tensor], experts_per_rank: int) -> tuple[dict, dict]:
+    """(the staged tensors SGLang can take now, the rest): all but experts of a module and projection of which
+    fewer than `experts_per_rank` arrived."""
+    groups: dict[str, list[str]] = {}
+    for name in staged:
+        m = _EXPERT.fullmatch(name)
+        if m is not None:
+            groups.setdefault(f"{m['module']}.{m['proj']}.{m['param']}", []).append(name)
+    waiting = {n for names in groups.values() if len(names) < experts_per_rank for n in names}
+    return ({n: t for n, t in staged.items() if n not in waiting}, {n: t for n, t in staged.items() if n in waiting})
+
+
 def required_server_flags(spec: ModelSpec, expert_parallel_size: int = 1, in_place: bool = False,
                           routing_replay: bool = False) -> dict:
     """The SGLang server arguments a run needs: given to the servers it launches, checked on attached ones.
@@ -164,7 +176,8 @@ def required_server_flags(spec: ModelSpec, expert_parallel_size: int = 1, in_pla
 
 class SGLangEngine:
     def __init__(self, spec: ModelSpec, server: SGLangServer | None, group=None, max_concurrency: int = 256,
-                 stall_timeout_s: float = 300.0, max_restarts: int = 3, return_routed_experts: bool = False):
+                 stall_timeout_s: float = 300.0, max_restarts: int = 3, return_routed_experts: bool = False,
+                 install_in_buckets: bool = False, expert_parallel_size: int = 1):
         """`server`: on the replica's leader; None on its other ranks (they only take part in weight
         updates). `group`: the replica's process group (None when the replica has one rank).
         `return_routed_experts` (--use-rollout-routing-replay, a mixture-of-experts model): every output carries
@@ -174,7 +187,13 @@ class SGLangEngine:
         requests are pending and then fails a health check is restarted (launched servers only), given the
         current weights again (the leader keeps every rank's last shards mapped for that) and sent the unfinished
         requests again from their prompts; replies that arrived before the fault are kept. After `max_restarts`
-        restarts the next fault is raised."""
+        restarts the next fault is raised.
+
+        `install_in_buckets` (generator ranks on their SGLang TP worker's GPU): DDMA's `commit_bucket` calls hand
+        each bucket of received tensors to SGLang as it completes (CUDA IPC handles; the tensors are freed once
+        SGLang copied them), so an update needs about a bucket of extra GPU memory instead of a second copy of the
+        shards. Such an update keeps nothing to give a restarted server: a server that fails after one is an error
+        (the job's checkpoint resumes it), where a one-bucket update (the CPU default) is given to it again."""
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in ("1", "true"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would report log-probs before "
                              f"temperature, but the trainer's importance weights assume {LOGPROB_CONVENTION!r}")
@@ -194,6 +213,9 @@ class SGLangEngine:
         # Received shards go to the server through shared memory, which it may read after the next update began:
         # DDMA gives every update fresh tensors.
         self.reusable_receive_buffers = False
+        self.installs_in_buckets = install_in_buckets
+        self.experts_per_rank = spec.num_experts // expert_parallel_size if spec.is_moe else 0
+        self._buckets = 0  # committed in the update in progress
         self._pool = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-request")
         self._pending: dict[cf.Future, tuple[str, list[int], dict]] = {}
         self._staged: dict[str, torch.Tensor] | None = None
@@ -302,6 +324,10 @@ class SGLangEngine:
               flush=True)
         pending = list(self._pending.values())
         self._pending.clear()
+        if self._serving is None and self.weight_version >= 0:
+            raise SGLangServerError(f"SGLang server {self.server.url} failed ({fault}); its weights were installed in "
+                                    "buckets (--ddma-bucket-mb), which are not kept to give a restarted server: the "
+                                    "run stops, and resumes from its last checkpoint when started again") from fault
         self.server.start()
         if self._serving is not None:
             self._post_weights(_handles(self._serving), self.weight_version)
@@ -354,6 +380,7 @@ class SGLangEngine:
         if self.is_leader and self._pending and not self.paused:
             raise RuntimeError(f"begin_weight_update with {len(self._pending)} requests decoding: pause first")
         self._staged = {}
+        self._buckets = 0
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], copy: bool = True) -> None:
         """This rank's shards, by SGLang runtime name (between begin and end_weight_update)."""
@@ -362,48 +389,74 @@ class SGLangEngine:
         for name, tensor in named_tensors:
             self._staged[name] = tensor.clone() if copy else tensor
 
-    def end_weight_update(self, version: int) -> None:
-        """Hand every rank's staged shards to its SGLang TP rank and serve them as `version`. The replica's
-        ranks all return, or all raise with the server's message; on failure the engine keeps no promise
-        about which weights it serves (SGLang loads in place), so the caller must not generate before a
-        successful update."""
-        from sglang.srt.utils import MultiprocessingSerializer
+    def commit_bucket(self) -> None:
+        """Hand the staged tensors that are ready to SGLang now (every rank of the replica calls it at the same
+        point; DDMA's schedule says when), as part of the update in progress: its version is not served before
+        `end_weight_update`. Experts wait until all of a layer's experts on this rank arrived (SGLang takes them
+        stacked)."""
+        ready, self._staged = _split_ready(self._staged, self.experts_per_rank)
+        self._install(list(stack_experts(ready).items()), version=None)
 
+    def end_weight_update(self, version: int) -> None:
+        """Hand every rank's remaining staged shards to its SGLang TP rank and serve them as `version`. The
+        replica's ranks all return, or all raise with the server's message; on failure the engine keeps no
+        promise about which weights it serves (SGLang loads in place), so the caller must not generate before a
+        successful update."""
         if self._staged is None:
             raise RuntimeError("end_weight_update without begin_weight_update")
         shards, self._staged = list(stack_experts(self._staged).items()), None
-        # Every rank keeps its shards, for a restarted server. A CUDA handle (IPC) can be opened again while they
-        # live. A CPU handle (a shared-memory file name) holds one reference to the file, taken over by the process
-        # that opens it: so every rank makes a second one, which the leader opens to keep the shards mapped (no
-        # copy) and make new handles from at each restart.
+        self._install(shards, version)
+        self.weight_version = version
+        if self.is_leader and self.server.process is not None and failpoints.armed("sglang-server-crash", version):
+            os.killpg(self.server.process.pid, signal.SIGKILL)  # crash tests: a launched server dies here
+
+    def _install(self, shards: list[tuple[str, torch.Tensor]], version: int | None) -> None:
+        """One `update_weights_from_tensor` of every rank's `shards` (the last of an update when `version` is
+        given)."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        first = self._buckets == 0
+        self._buckets += 1
+        # A one-bucket update is kept for a restarted server. A CUDA handle (IPC) can be opened again while the
+        # shards live. A CPU handle (a shared-memory file name) holds one reference to the file, taken over by the
+        # process that opens it: so every rank makes a second one, which the leader opens to keep the shards mapped
+        # (no copy) and make new handles from at each restart.
+        keep = first and version is not None
         on_cpu = all(tensor.device.type == "cpu" for _, tensor in shards)
-        handles = [MultiprocessingSerializer.serialize(shards, output_str=True) for _ in range(2 if on_cpu else 1)]
+        handles = [MultiprocessingSerializer.serialize(shards, output_str=True)
+                   for _ in range(2 if keep and on_cpu else 1)]
         gathered = self._gather(handles)
         status = [None]
         if self.is_leader:
-            serving = [MultiprocessingSerializer.deserialize(h[1]) if len(h) == 2 else h[0] for h in gathered]
+            serving = [MultiprocessingSerializer.deserialize(h[1]) if len(h) == 2 else h[0] for h in gathered] \
+                if keep else None
             try:
-                if not self._survive(lambda: self._post_weights([h[0] for h in gathered], version)):
+                if not self._survive(lambda: self._post_weights([h[0] for h in gathered], version, first)):
+                    if serving is None:
+                        raise SGLangServerError("the server restarted during an update installed in buckets")
                     self._post_weights(_handles(serving), version)  # into the restarted server
             except SGLangServerError as e:
                 status[0] = str(e)
         _share_from_leader(status, self.group)
         if status[0] is not None:
             raise SGLangServerError(f"SGLang weight update to version {version} failed: {status[0]}")
-        self.weight_version = version
-        self._own_shards = shards
-        if self.is_leader:
-            self._serving = serving
-            if self.server.process is not None and failpoints.armed("sglang-server-crash", version):
-                os.killpg(self.server.process.pid, signal.SIGKILL)  # crash tests: a launched server dies here
+        if version is not None:
+            self._own_shards = shards if keep else None
+            if self.is_leader:
+                self._serving = serving
 
-    def _post_weights(self, handles: list[str], version: int) -> None:
-        self.server.post("/begin_weight_update", {})
-        # Requests paused in place keep their KV cache, so it cannot be flushed (SGLang refuses while they run).
-        result = self.server.post("/update_weights_from_tensor", {
-            "serialized_named_tensors": handles, "load_format": "direct",
-            "flush_cache": self.pause_mode != "in_place", "weight_version": str(version)})
-        self.server.post("/end_weight_update", {})
+    def _post_weights(self, handles: list[str], version: int | None, first: bool = True) -> None:
+        """One bucket of an update: the first opens SGLang's weight-update session, the last (with `version`)
+        closes it and flushes the cache. Requests paused in place keep their KV cache, so it is then not flushed
+        (SGLang refuses while they run)."""
+        if first:
+            self.server.post("/begin_weight_update", {})
+        body = {"serialized_named_tensors": handles, "load_format": "direct", "flush_cache": False}
+        if version is not None:
+            body.update(flush_cache=self.pause_mode != "in_place", weight_version=str(version))
+        result = self.server.post("/update_weights_from_tensor", body)
+        if version is not None:
+            self.server.post("/end_weight_update", {})
         if not result.get("success"):
             raise SGLangServerError(f"update_weights_from_tensor: {result.get('message', result)}")
 

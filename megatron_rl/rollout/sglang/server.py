@@ -116,6 +116,20 @@ def server_gpu_flags(local_rank: int, tp_size: int, cuda_visible_devices: str | 
     return {"base_gpu_id": local_rank}
 
 
+def worker_gpu(local_rank: int, tp_rank: int, extra_flags: dict) -> int:
+    """The GPU (a CUDA index of this node) of SGLang TP rank `tp_rank` of the server whose leader's generator rank
+    is `local_rank - tp_rank` here: base_gpu_id + tp_rank x gpu_id_step, base_gpu_id being the leader's LOCAL_RANK
+    (`server_gpu_flags`) unless --sglang-base-gpu-id says otherwise. The generator rank of that TP rank computes on
+    this GPU, so that DDMA lands in its memory and the worker opens it through CUDA IPC."""
+    base = int(extra_flags.get("base_gpu_id", local_rank - tp_rank))
+    return base + tp_rank * int(extra_flags.get("gpu_id_step", 1))
+
+
+# The KV cache of a server on CPUs unless told: SGLang cannot measure the memory a CPU rank may use, and would size
+# its cache from the whole machine's.
+CPU_KV_CACHE_TOKENS = 65536
+
+
 def launch_command(model_path: str, tp_size: int, port: int, *, environ: Mapping[str, str], cuda_available: bool,
                    device_count: int | None = None, cpu_count: int = 1, dtype: str = "float32",
                    max_total_tokens: int | None = None, extra_flags: dict | None = None, load_format: str = "dummy",
@@ -133,7 +147,8 @@ def launch_command(model_path: str, tp_size: int, port: int, *, environ: Mapping
     flags = {"model_path": model_path, "tp_size": tp_size, "host": host, "port": port, "dtype": dtype,
              "load_format": load_format, "skip_tokenizer_init": True,
              "weight_version": "-1" if load_format == "dummy" else "0",
-             "max_total_tokens": max_total_tokens, "api_key": api_key}
+             "max_total_tokens": max_total_tokens if max_total_tokens or cuda_available else CPU_KV_CACHE_TOKENS,
+             "api_key": api_key}
     # The server runs its own torch.distributed world: it must not see this process's launcher settings
     # (torchrun's RANK / WORLD_SIZE / MASTER_PORT would make its TP workers join the training job's).
     # The key reaches it only as --api-key.
@@ -229,8 +244,8 @@ class SGLangServer:
         """Start a server from this process (a replica's leader; `launch_command` says with which flags, GPUs
         and environment) and wait until it answers. `load_format="dummy"` starts with random weights, reported
         as weight version -1 until the first update; any other format loads the checkpoint, served as version 0.
-        `max_total_tokens` sizes the KV cache (None: SGLang sizes it from the GPUs' memory; on CPU it cannot
-        measure the memory free per rank and would size it from the whole machine's, so give it there). `host`:
+        `max_total_tokens` sizes the KV cache (None: SGLang sizes it from the GPUs' memory, CPU_KV_CACHE_TOKENS on
+        CPUs). `host`:
         the address the server listens on, loopback by default (the leader is on the same node); `api_key`: the
         server's --api-key, sent with every request."""
         cuda = torch.cuda.is_available()
