@@ -1,6 +1,9 @@
 """A ~1B-parameter random Llama on one GPU: the trainer's AIPO step (tokens/s and model FLOPs utilization; on a
-long-tail batch padded and packed, `bench.packing`'s three ways) and the built-in engine's decode (tokens/s at
-batch 1, 32 and 128). Needs CUDA; on a CPU it reports that it did not run.
+long-tail batch padded and packed, `bench.packing`'s three ways), the built-in engine's decode (tokens/s at
+batch 1, 32 and 128), and a weight sync into a generator's GPU (`handover_rank`: DDMA from a trainer rank to a
+generator rank on the same GPU, whose engine hands each bucket to an installing process through CUDA IPC, as into
+an SGLang TP worker), in bytes/s against the GPU's own device-to-device copy. Needs CUDA; on a CPU it reports that it
+did not run.
 
 MFU counts the model's FLOPs per trained token as Megatron does (6 x parameters for the matmuls, plus attention's
 12 x layers x hidden x sequence length), over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`, by device name).
@@ -115,6 +118,146 @@ def _decode(batch: int, spec) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def _installer(conn, shapes: dict, dtype: torch.dtype) -> None:
+    """The SGLang TP worker's stand-in, in a process of its own on the same GPU: parameters of its own; each message
+    is a pickled list of (name, CUDA tensor) made with torch's reductions (CUDA IPC handles, as SGLang's
+    `MultiprocessingSerializer` sends them), copied into the parameters. At the end it sends an exact checksum of
+    each parameter and the seconds it spent opening and copying."""
+    from torch.multiprocessing.reductions import ForkingPickler
+
+    torch.cuda.set_device(0)
+    params = {n: torch.zeros(shape, dtype=dtype, device="cuda") for n, shape in shapes.items()}
+    conn.send_bytes(b"ready")
+    busy = 0.0
+    while (message := conn.recv_bytes()) != b"done":
+        start = time.perf_counter()
+        for name, tensor in ForkingPickler.loads(message):
+            params[name].copy_(tensor)
+        torch.cuda.synchronize()
+        busy += time.perf_counter() - start
+        conn.send_bytes(b"ok")
+    conn.send(({n: exact_checksum(p) for n, p in params.items()}, busy))
+
+
+def exact_checksum(t: torch.Tensor) -> int:
+    return int(t.contiguous().view(torch.uint8).to(torch.int64).sum())
+
+
+class IpcInstaller:
+    """An engine (the DDMA protocol of `LocalEngine` / `SGLangEngine`) that installs in buckets: each commit sends CUDA
+    IPC handles of the received tensors to `_installer` and waits until it copied them, then drops them."""
+
+    reusable_receive_buffers = False
+    installs_in_buckets = True
+
+    def __init__(self, shapes: dict, dtype: torch.dtype):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_installer, args=(child, shapes, dtype), daemon=True)
+        self.process.start()
+        assert self.conn.recv_bytes() == b"ready"
+        self.staged, self.weight_version, self.commits, self.peak = None, -1, 0, 0
+
+    def begin_weight_update(self) -> None:
+        self.staged = {}
+
+    def load_weights(self, named_tensors, copy: bool = True) -> None:
+        self.staged.update(named_tensors)
+
+    def commit_bucket(self) -> None:
+        from torch.multiprocessing.reductions import ForkingPickler
+
+        self.peak = max(self.peak, torch.cuda.memory_allocated())
+        self.conn.send_bytes(bytes(ForkingPickler.dumps(list(self.staged.items()))))
+        assert self.conn.recv_bytes() == b"ok"
+        self.staged = {}
+        self.commits += 1
+
+    def end_weight_update(self, version: int) -> None:
+        self.commit_bucket()
+        self.weight_version = version
+
+    def abort_weight_update(self) -> None:
+        self.staged = None
+
+    def finish(self) -> tuple[dict, float]:
+        self.conn.send_bytes(b"done")
+        checksums, busy = self.conn.recv()
+        self.process.join(timeout=60)
+        return checksums, busy
+
+
+def handover_rank(spec, rank: int, bucket_bytes: int, seed: int = 0) -> dict:
+    """Rank 0 (trainer, TP 1, bf16) publishes random weights to rank 1 (a generator rank at TP 1 on the same GPU,
+    so over the staged transport), whose `IpcInstaller` installs them in buckets. Rank 1 reports the runtime tensors
+    that differ from the trainer's weights in SGLang's layout, its peak GPU memory during the update beyond what it
+    held before, and the seconds and bytes."""
+    import torch.distributed as dist
+
+    from megatron_rl.ddma.plan import make_plan
+    from megatron_rl.ddma.sync import publish
+    from megatron_rl.ddma.transport import StagedTransport
+    from megatron_rl.models import weight_map
+    from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
+
+    torch.cuda.set_device(0)
+    trainer, generator = TrainerLayout(1, 1, 1, dtype_bytes=2), GeneratorLayout(1, 1, first_rank=1)
+    plan = make_plan(spec, trainer, generator)
+    g = torch.Generator().manual_seed(seed)
+    hf = {n: (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+          for n, shape in weight_map.hf_shapes(spec).items()}
+    transport = StagedTransport()
+    if rank == 0:
+        tensors = {n: weight_map.assemble(s, weight_map.slicer(hf)).to("cuda")
+                   for n, s in weight_map.megatron_shards(spec, trainer, 0, 0).items()}
+        dist.barrier()  # the installer is up
+        stats = publish(plan, 0, 1, trainer_tensors=tensors, transport=transport, bucket_bytes=bucket_bytes)
+        return {"sent": stats.bytes_sent, "seconds": stats.seconds}
+    layouts = plan.runtime[1]
+    installer = IpcInstaller({n: s.shape for n, s in layouts.items()}, torch.bfloat16)
+    dist.barrier()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    stats = publish(plan, 1, 1, engine=installer, transport=transport, dtype=torch.bfloat16, device="cuda",
+                    bucket_bytes=bucket_bytes)
+    peak = max(torch.cuda.max_memory_allocated(), installer.peak) - before
+    checksums, install_s = installer.finish()
+    want = {n: exact_checksum(weight_map.assemble(s, weight_map.slicer(hf))) for n, s in layouts.items()}
+    return {"mismatched": sorted(n for n in want if checksums.get(n) != want[n]), "version": installer.weight_version,
+            "commits": installer.commits, "peak_receive_bytes": peak, "shard_bytes": plan.shard_bytes(1),
+            "largest_tensor_bytes": max(plan.tensor_bytes(1, n) for n in layouts), "received": stats.bytes_received,
+            "planned": plan.bytes_received(1), "seconds": stats.seconds, "install_seconds": install_s}
+
+
+def _copy_gbps(nbytes: int = 2**30) -> float:
+    """The GPU's device-to-device copy speed (GB/s of data copied) on one buffer of `nbytes`."""
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
+                                                                                  device="cuda")
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 10 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def _weight_sync(spec) -> dict:
+    from megatron_rl.runtime.spawn import run_on_ranks
+
+    trainer, generator = run_on_ranks(handover_rank, 2, spec, 256 * 2**20, timeout_s=600)
+    nbytes = generator["received"]
+    return {"bytes": nbytes, "bucket_mb": 256, "commits": generator["commits"],
+            "publish_gbps": nbytes / generator["seconds"] / 1e9,
+            "install_gbps": nbytes / generator["install_seconds"] / 1e9, "device_copy_gbps": _copy_gbps(),
+            "peak_receive_gib": generator["peak_receive_bytes"] / 2**30,
+            "mismatched_tensors": len(generator["mismatched"]),
+            "path": "trainer GPU -> host -> gloo -> generator GPU (the staged transport: one GPU), then CUDA IPC "
+                    "into the installing process"}
+
+
 def run(quick: bool = False) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "needs CUDA"}
@@ -129,4 +272,5 @@ def run(quick: bool = False) -> dict:
     out["trainer_packing"] = run_on_ranks(_packing_rank, 1, 2 if quick else 4, backend="nccl", timeout_s=900)[0]
     out["engine_decode_tokens_per_s"] = {f"batch_{b}": _decode(b, spec) for b in DECODE_BATCHES}
     out["engine_decode"] = f"{DECODE_PROMPT}-token prompts, {DECODE_TOKENS} new tokens each, bf16, sampling at T=1"
+    out["weight_sync"] = _weight_sync(spec)
     return out

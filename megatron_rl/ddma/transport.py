@@ -116,27 +116,26 @@ def choose_transport(devices: list[DeviceId]) -> tuple[str, str]:
 _groups = itertools.count()
 
 
-def new_ddma_group(roles, backend: str, device: torch.device | None = None):
-    """A group over every rank of the launch, on its store, whose ranks are the global ranks. Every rank must call
-    it, in the same order. Made like torch.distributed's own groups (and SGLang's custom weight-update groups)
-    rather than with `new_group`, because each role's default group holds only that role's ranks; with `device` (a
-    GPU) it is bound to it and NCCL connects now."""
+def new_ddma_group(devices: list[DeviceId], rank: int, store, timeout, device: torch.device):
+    """(the transport's kind, the DDMA group): a group over every rank of the launch, on its store, whose ranks are
+    the global ranks, NCCL bound to `device` and connected now when `choose_transport` says NCCL, else gloo. Every
+    rank must call it, in the same order (`runtime.roles.init_roles` does). Made like torch.distributed's own groups
+    (and SGLang's custom weight-update groups) rather than with `new_group`, because each role's default group
+    holds only that role's ranks."""
     from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
+    kind, why = choose_transport(devices)
+    if rank == 0:
+        print(f"[megatron-rl] DDMA transport: {kind} ({why})", flush=True)
     name = f"megatron_rl_ddma_{next(_groups)}"
-    group, _ = _new_process_group_helper(roles.world_size, roles.rank, [], backend, dist.PrefixStore(name, roles.store),
-                                         group_name=name, timeout=roles.timeout, device_id=device)
-    _world.pg_group_ranks[group] = {r: r for r in range(roles.world_size)}
-    return group
+    group, _ = _new_process_group_helper(len(devices), rank, [], "nccl" if kind == "nccl" else "gloo",
+                                         dist.PrefixStore(name, store), group_name=name, timeout=timeout,
+                                         device_id=torch.device(device) if kind == "nccl" else None)
+    _world.pg_group_ranks[group] = {r: r for r in range(len(devices))}
+    return kind, group
 
 
 def make_transport(roles) -> Transport:
-    """The DDMA transport for this rank of a launch (`roles.Roles`). Every rank must call it, in the same order:
-    it makes a group over all ranks (trainer and generators) on the launch's store."""
-    kind, why = choose_transport(roles.devices)
-    if roles.rank == 0:
-        print(f"[megatron-rl] DDMA transport: {kind} ({why})", flush=True)
-    if kind == "nccl":
-        return TorchDistTransport(new_ddma_group(roles, "nccl", torch.device(roles.device)))
-    group = new_ddma_group(roles, "gloo")
+    """The DDMA transport of this rank of a launch (`roles.Roles`), over its DDMA group."""
+    kind, group = roles.ddma
     return StagedTransport(group) if kind == "staged" else TorchDistTransport(group)

@@ -5,11 +5,11 @@ Under one `torchrun` launch (one node or many: torchrun's own multi-node flags),
 own default process group on a prefix of the launch's rendezvous store, so Megatron-Core sees exactly the
 trainer's ranks (its collectives, e.g. the optimizer's all_gather_object, never involve a generator), and
 each generator replica gets a TP group inside the generators' world. A separate gloo group spanning every
-rank carries the channels (and the DDMA transfers where they go through the CPU); its ranks are the global ranks.
-The roles' own groups use the backend of the rank's device (NCCL on GPUs) for tensors; what ranks wait for (a
-replica's control messages, like the trainer's commands) goes on gloo, so that no idle rank waits inside NCCL.
-Every rank's `DeviceId` is shared through the store so that DDMA can choose its transport
-(`ddma.transport.make_transport`).
+rank carries the channels; its ranks are the global ranks. The roles' own groups use the backend of the rank's
+device (NCCL on GPUs) for tensors; what ranks wait for (a replica's control messages, like the trainer's commands)
+goes on gloo, so that no idle rank waits inside NCCL. Every rank's `DeviceId` is shared through the store so that
+DDMA can choose its transport, and its group over all ranks is made here, by every rank in the same order
+(`ddma.transport.new_ddma_group`: NCCL connected at once, or gloo).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
+from megatron_rl.ddma.transport import new_ddma_group
 from megatron_rl.runtime.device import DeviceId, backend_for
 
 
@@ -38,6 +39,7 @@ class Roles:
     timeout: datetime.timedelta = datetime.timedelta(minutes=30)
     replica_group: object | None = None  # this generator replica's TP group (generator ranks only)
     replica_control_group: object | None = None  # the same ranks on gloo: the controller's messages, host side
+    ddma: tuple[str, object] | None = None  # (transport kind, group over all ranks): `ddma.transport.new_ddma_group`
 
     @property
     def is_trainer(self) -> bool:
@@ -82,6 +84,7 @@ def init_roles(trainer_world_size: int, rollout_tp: int, rollout_replicas: int,
     store.set(f"device/{rank}", pickle.dumps(DeviceId.of(device)))
     devices = [pickle.loads(store.get(f"device/{r}")) for r in range(world)]
     roles = Roles(rank, world, trainer_world_size, rollout_tp, rollout_replicas, sync, device, devices, store, timeout)
+    roles.ddma = new_ddma_group(devices, rank, store, timeout, device)
     if not roles.is_trainer:
         for r in range(rollout_replicas):  # new_group is collective over the generators' world
             ranks = list(range(r * rollout_tp, (r + 1) * rollout_tp))

@@ -1,0 +1,58 @@
+"""Weights into a generator's GPU and the engine's KV budget, on one GPU.
+
+The hand-over: a trainer rank publishes a model through DDMA to a generator rank on the same GPU (the staged
+transport: NCCL needs a GPU per rank), whose engine installs each bucket as it completes by handing CUDA IPC handles
+(torch's own reductions, what SGLang's `MultiprocessingSerializer` sends) to a second process that owns the
+parameters, as an SGLang TP worker does; SGLang itself is too large for the GPU machine (`bench.gpu.IpcInstaller`
+stands in for its worker). The installed parameters must equal the trainer's weights in SGLang's layout bit for bit,
+and the receiving rank must hold about a bucket of them at a time, not the whole shard."""
+
+import types
+
+import torch
+
+from megatron_rl.models.spec import get_model_spec
+from megatron_rl.runtime.spawn import run_on_ranks
+
+SPEC = get_model_spec("tiny-llama").replace(name="gpu-sync", hidden_size=512, ffn_hidden_size=1408, num_layers=4,
+                                            num_attention_heads=8, num_key_value_heads=4, vocab_size=4096)
+BUCKET = 2**20
+
+
+def _publish_rank():
+    import torch.distributed as dist
+
+    from megatron_rl.bench.gpu import handover_rank
+
+    return handover_rank(SPEC, dist.get_rank(), BUCKET, seed=0)
+
+
+def test_weights_reach_an_installing_process_through_cuda_ipc_in_buckets():
+    trainer, generator = run_on_ranks(_publish_rank, 2, timeout_s=600)
+    assert generator["mismatched"] == [] and generator["version"] == 1
+    assert generator["commits"] >= 4  # the model went over in buckets, not at once
+    # the receiving rank's own GPU memory during the update: a few buckets, far from the shard's size
+    assert generator["peak_receive_bytes"] <= 4 * BUCKET + generator["largest_tensor_bytes"]
+    assert generator["peak_receive_bytes"] < generator["shard_bytes"] / 2
+    assert trainer["sent"] == generator["received"] == generator["planned"]
+
+
+def test_kv_cache_fits_a_budget_where_slots_times_length_would_not():
+    """Qwen3-8B at 16k tokens with 64 requests: slots x max length would be 65 x 16,384 tokens x 144 KiB = 146 GiB of
+    KV, more than the GPU has; the token budget from --rollout-mem-fraction-static fits, and is allocated."""
+    from megatron_rl.rollout.local import kv_cache_tokens
+    from megatron_rl.rollout.local.decoder import TPDecoder
+
+    spec = get_model_spec("qwen3-8b")
+    args = types.SimpleNamespace(rollout_kv_cache_tokens=None, rollout_mem_fraction_static=0.8, seq_length=16384)
+    per_token = TPDecoder.kv_bytes_per_token(spec, 1, torch.bfloat16)
+    full = 65 * 16384
+    _, total = torch.cuda.mem_get_info()
+    assert full * per_token > total
+    tokens, why = kv_cache_tokens(args, spec, 1, torch.bfloat16, torch.device("cuda"), True, 65)
+    assert 16384 <= tokens < full and "--rollout-mem-fraction-static" in why
+    decoder = TPDecoder(spec, dtype=torch.bfloat16, max_slots=65, max_seq_len=16384, device="cuda",
+                        kv_cache_tokens=tokens)
+    assert decoder.k_cache.numel() * 2 * 2 == tokens * per_token
+    free, _ = torch.cuda.mem_get_info()
+    assert free > total * 0.2 - 2**30  # what the fraction leaves (weights not loaded here), give or take a GiB
