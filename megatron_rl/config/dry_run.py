@@ -19,8 +19,7 @@ from megatron_rl.config.memory import (
     generator_memory,
     trainer_memory,
 )
-from megatron_rl.ddma import full_experts_baseline, gather_broadcast_baseline, summarize
-from megatron_rl.ddma.sync import ROUNDS_IN_FLIGHT, schedule
+from megatron_rl.ddma import ROUNDS_IN_FLIGHT, full_experts_baseline, gather_broadcast_baseline, schedule, summarize
 
 
 def dry_run(args, world_size: int) -> dict:
@@ -106,11 +105,11 @@ def dry_run(args, world_size: int) -> dict:
 
 
 def expected_transport(args, world_size: int, trainer_world_size: int) -> tuple[str, str]:
-    """The DDMA transport the launch would choose (`ddma.transport.choose_transport`, given the devices its ranks
+    """The DDMA transport the launch would choose (`runtime.roles.choose_transport`, given the devices its ranks
     would get): every rank on a GPU of its own unless --device cpu, except the generator ranks of attached SGLang
     servers (--rollout-server-urls), which stay on the CPU."""
-    from megatron_rl.ddma.transport import choose_transport
     from megatron_rl.runtime.device import DeviceId
+    from megatron_rl.runtime.roles import choose_transport
 
     def device(rank: int) -> DeviceId:
         on_cpu = args.device == "cpu" or (rank >= trainer_world_size and args.rollout_backend == "sglang"

@@ -3,23 +3,21 @@ replace it. The torch.distributed one posts every send and receive of a round as
 NCCL group on GPUs; gloo has no groups and takes them one by one) and counts the bytes each rank moves. Buffers are
 byte views of the source and destination tensors themselves, so contiguous pieces are never copied.
 
-Which one a run uses follows from where its ranks compute (`choose_transport`): gloo when every rank is on a CPU;
-NCCL between GPU memories when every rank has a GPU of its own (the paper's path: an SGLang generator rank lives on
-its TP worker's GPU); and, when ranks share a GPU (a one-GPU machine: NCCL refuses two ranks on one device) or mix
-CPUs and GPUs, gloo through pinned host buffers. The group spans every rank of the launch, is made by every rank
-in the same order (`make_transport`), and on NCCL is bound to the rank's GPU and connected at once: one
-communicator for all pairs, not one per pair made on first use.
+Which one a run uses follows from where its ranks compute (`runtime.roles.choose_transport`): gloo when every rank
+is on a CPU; NCCL between GPU memories when every rank has a GPU of its own (the paper's path: an SGLang generator
+rank lives on its TP worker's GPU); and, when ranks share a GPU (a one-GPU machine: NCCL refuses two ranks on one
+device) or mix CPUs and GPUs, gloo through pinned host buffers. The group spans every rank of the launch, is made by
+every rank in the same order (`runtime.roles.new_ddma_group`), and on NCCL is bound to the rank's GPU and connected
+at once: one communicator for all pairs, not one per pair made on first use.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.runtime.device import DeviceId
 from megatron_rl.runtime.multinode import lost_peer
 
 
@@ -98,44 +96,7 @@ class StagedTransport(TorchDistTransport):
         return transfer
 
 
-def choose_transport(devices: list[DeviceId]) -> tuple[str, str]:
-    """("gloo" | "nccl" | "staged", why) for ranks computing on these devices (by rank)."""
-    if all(d.type == "cpu" for d in devices):
-        return "gloo", f"all {len(devices)} ranks compute on CPUs"
-    if any(d.type == "cpu" for d in devices):
-        return "staged", "some ranks compute on CPUs and others on GPUs"
-    first_rank: dict[DeviceId, int] = {}
-    for rank, device in enumerate(devices):
-        if device in first_rank:
-            return "staged", (f"ranks {first_rank[device]} and {rank} share one GPU ({device}); NCCL needs a GPU per "
-                              "rank, so weights go through pinned host memory over gloo")
-        first_rank[device] = rank
-    return "nccl", f"{len(devices)} ranks on {len(devices)} distinct GPUs: NCCL between GPU memories"
-
-
-_groups = itertools.count()
-
-
-def new_ddma_group(devices: list[DeviceId], rank: int, store, timeout, device: torch.device):
-    """(the transport's kind, the DDMA group): a group over every rank of the launch, on its store, whose ranks are
-    the global ranks, NCCL bound to `device` and connected now when `choose_transport` says NCCL, else gloo. Every
-    rank must call it, in the same order (`runtime.roles.init_roles` does). Made like torch.distributed's own groups
-    (and SGLang's custom weight-update groups) rather than with `new_group`, because each role's default group
-    holds only that role's ranks."""
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
-
-    kind, why = choose_transport(devices)
-    if rank == 0:
-        print(f"[megatron-rl] DDMA transport: {kind} ({why})", flush=True)
-    name = f"megatron_rl_ddma_{next(_groups)}"
-    group, _ = _new_process_group_helper(len(devices), rank, [], "nccl" if kind == "nccl" else "gloo",
-                                         dist.PrefixStore(name, store), group_name=name, timeout=timeout,
-                                         device_id=torch.device(device) if kind == "nccl" else None)
-    _world.pg_group_ranks[group] = {r: r for r in range(len(devices))}
-    return kind, group
-
-
 def make_transport(roles) -> Transport:
-    """The DDMA transport of this rank of a launch (`roles.Roles`), over its DDMA group."""
+    """The DDMA transport of this rank of a launch (`roles.Roles`), over its DDMA group (`roles.new_ddma_group`)."""
     kind, group = roles.ddma
     return StagedTransport(group) if kind == "staged" else TorchDistTransport(group)

@@ -9,19 +9,19 @@ rank carries the channels; its ranks are the global ranks. The roles' own groups
 device (NCCL on GPUs) for tensors; what ranks wait for (a replica's control messages, like the trainer's commands)
 goes on gloo, so that no idle rank waits inside NCCL. Every rank's `DeviceId` is shared through the store so that
 DDMA can choose its transport, and its group over all ranks is made here, by every rank in the same order
-(`ddma.transport.new_ddma_group`: NCCL connected at once, or gloo).
+(`new_ddma_group`: NCCL connected at once, or gloo; `choose_transport` says which).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import pickle
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.ddma.transport import new_ddma_group
 from megatron_rl.runtime.device import DeviceId, backend_for
 
 
@@ -39,7 +39,7 @@ class Roles:
     timeout: datetime.timedelta = datetime.timedelta(minutes=30)
     replica_group: object | None = None  # this generator replica's TP group (generator ranks only)
     replica_control_group: object | None = None  # the same ranks on gloo: the controller's messages, host side
-    ddma: tuple[str, object] | None = None  # (transport kind, group over all ranks): `ddma.transport.new_ddma_group`
+    ddma: tuple[str, object] | None = None  # (transport kind, group over all ranks): `new_ddma_group`
 
     @property
     def is_trainer(self) -> bool:
@@ -93,3 +93,40 @@ def init_roles(trainer_world_size: int, rollout_tp: int, rollout_replicas: int,
             if r == roles.replica:
                 roles.replica_group, roles.replica_control_group = group, control
     return roles
+
+
+_groups = itertools.count()
+
+
+def choose_transport(devices: list[DeviceId]) -> tuple[str, str]:
+    """("gloo" | "nccl" | "staged", why) for ranks computing on these devices (by rank)."""
+    if all(d.type == "cpu" for d in devices):
+        return "gloo", f"all {len(devices)} ranks compute on CPUs"
+    if any(d.type == "cpu" for d in devices):
+        return "staged", "some ranks compute on CPUs and others on GPUs"
+    first_rank: dict[DeviceId, int] = {}
+    for rank, device in enumerate(devices):
+        if device in first_rank:
+            return "staged", (f"ranks {first_rank[device]} and {rank} share one GPU ({device}); NCCL needs a GPU per "
+                              "rank, so weights go through pinned host memory over gloo")
+        first_rank[device] = rank
+    return "nccl", f"{len(devices)} ranks on {len(devices)} distinct GPUs: NCCL between GPU memories"
+
+
+def new_ddma_group(devices: list[DeviceId], rank: int, store, timeout, device: torch.device):
+    """(the transport's kind, the DDMA group): a group over every rank of the launch, on its store, whose ranks are
+    the global ranks, NCCL bound to `device` and connected now when `choose_transport` says NCCL, else gloo. Every
+    rank must call it, in the same order (`runtime.roles.init_roles` does). Made like torch.distributed's own groups
+    (and SGLang's custom weight-update groups) rather than with `new_group`, because each role's default group
+    holds only that role's ranks."""
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+
+    kind, why = choose_transport(devices)
+    if rank == 0:
+        print(f"[megatron-rl] DDMA transport: {kind} ({why})", flush=True)
+    name = f"megatron_rl_ddma_{next(_groups)}"
+    group, _ = _new_process_group_helper(len(devices), rank, [], "nccl" if kind == "nccl" else "gloo",
+                                         dist.PrefixStore(name, store), group_name=name, timeout=timeout,
+                                         device_id=torch.device(device) if kind == "nccl" else None)
+    _world.pg_group_ranks[group] = {r: r for r in range(len(devices))}
+    return kind, group

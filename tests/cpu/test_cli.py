@@ -136,6 +136,24 @@ def test_dry_run_memory_for_8b_matches_hand_computation():
     assert report["ddma"]["estimated_seconds"] < report["ddma"]["baseline"]["estimated_seconds"]
 
 
+def test_dry_run_names_the_transport_the_launch_would_choose_and_estimates_from_it():
+    """A GPU launch (every rank on a GPU of its own) over NCCL; --device cpu over gloo; attached SGLang servers, whose
+    generator ranks stay on the CPU, through host memory (staged): each estimate from that transport's links."""
+    def ddma(*flags):
+        r = _cli("--config", "llama3-8b", "--dry-run", "--world-size", "16", "--rollout-num-replicas", "8", *flags)
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout.strip().splitlines()[-1])["ddma"]
+        assert f"DDMA over {report['transport']} (" in r.stdout
+        return report
+
+    nccl, gloo = ddma(), ddma("--device", "cpu")
+    staged = ddma("--rollout-backend", "sglang", "--rollout-server-urls", *[f"http://h:{30000 + i}" for i in range(8)])
+    assert (nccl["transport"], gloo["transport"], staged["transport"]) == ("nccl", "gloo", "staged")
+    assert "some ranks compute on CPUs" in staged["transport_why"]
+    assert nccl["estimated_seconds"] < gloo["estimated_seconds"] < staged["estimated_seconds"]
+    assert nccl["max_in_flight_bytes"] <= 2 * 256 * 2**20  # two rounds of --ddma-bucket-mb 256
+
+
 def test_dry_run_memory_for_235b_holds_only_the_ranks_experts():
     from megatron_rl.config.memory import trainer_memory
     from megatron_rl.config.setup import layouts

@@ -7,11 +7,11 @@ GPU."""
 import pytest
 import torch
 
-from megatron_rl.ddma.transport import choose_transport
 from megatron_rl.models.fp8 import FP8_MAX, RowwiseFP8, quantize_block_fp8
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.rollout.local.decoder import TPDecoder
 from megatron_rl.runtime.device import DeviceId, backend_for, select_device
+from megatron_rl.runtime.roles import choose_transport
 
 TINY = get_model_spec("tiny-llama")
 

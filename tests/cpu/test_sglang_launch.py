@@ -15,7 +15,13 @@ from megatron_rl.data.tokenizer import build_char_tokenizer
 from megatron_rl.rollout.sglang import build_engine as build_sglang_engine
 from megatron_rl.rollout.sglang import engine as sglang_engine
 from megatron_rl.rollout.sglang import server_sizing
-from megatron_rl.rollout.sglang.server import CPU_FLAGS, CPU_KV_CACHE_TOKENS, launch_command, server_gpu_flags
+from megatron_rl.rollout.sglang.server import (
+    CPU_FLAGS,
+    CPU_KV_CACHE_TOKENS,
+    launch_command,
+    server_gpu_flags,
+    worker_gpu,
+)
 from megatron_rl.runtime.roles import Roles
 
 GPUS_PER_NODE = 8
@@ -175,6 +181,12 @@ def test_build_sglang_engine_passes_the_replica_and_the_checked_flags(tmp_path, 
     (args, kwargs), = calls
     assert kwargs["replica"] == 1 and args[4].endswith("replica1/model") and kwargs["api_key"] == "sk-1"
     assert kwargs["extra_flags"] == {"context_length": 64, "random_seed": 1234, "mem_fraction_static": 0.7}
+
+
+def test_a_generator_rank_computes_on_its_sglang_workers_gpu():
+    # the replica's leader has LOCAL_RANK 4: its TP rank 1 runs on GPU 5, unless the base GPU or step is overridden
+    assert worker_gpu(5, 1, {}) == 5
+    assert worker_gpu(5, 1, {"base_gpu_id": 2, "gpu_id_step": 2}) == 4
 
 
 def test_launched_servers_size_themselves_from_gpu_memory_unless_told():
