@@ -23,7 +23,7 @@ def _rank():
     from megatron_rl.config.arguments import parse_args
     from megatron_rl.config.setup import build_run_setup
     from megatron_rl.ddma.sync import publish
-    from megatron_rl.ddma.transport import TorchDistTransport
+    from megatron_rl.ddma.transport import make_transport
     from megatron_rl.rollout import ENGINE_BACKENDS
     from megatron_rl.runtime.roles import init_roles
     from megatron_rl.trainer.batch import TrainBatch
@@ -32,7 +32,7 @@ def _rank():
     roles = init_roles(setup.trainer.world_size, 1, 1)
     if not roles.is_trainer:
         engine = ENGINE_BACKENDS["local"].build(setup, roles)
-        publish(setup.plan(), roles.rank, 1, engine=engine, transport=TorchDistTransport(roles.sync_group))
+        publish(setup.plan(), roles.rank, 1, engine=engine, transport=make_transport(roles))
         out = {"runtime": dict(engine.decoder.params), "version": engine.weight_version}
     else:
         from megatron.core import parallel_state as ps
