@@ -55,7 +55,7 @@ class Plan:
     pieces: list[Piece]
     runtime: dict[int, dict[str, weight_map.ShardLayout]]  # generator global rank -> its runtime tensors
     quantized_tensors: frozenset[str]  # runtime names sent as FP8 by the trainer
-    schedules: dict = dataclasses.field(default_factory=dict, repr=False)  # per-rank buckets (ddma.sync)
+    schedules: dict = dataclasses.field(default_factory=dict, repr=False)  # bucket size -> its rounds (ddma.sync)
     buffers: dict = dataclasses.field(default_factory=dict, repr=False)  # per-rank reused buffers (ddma.sync)
 
     @functools.cached_property

@@ -501,7 +501,7 @@ def _share_from_leader(box: list, group) -> None:
 
 def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, model_dir: str, log_path: str,
                          port: int | None = None, url: str | None = None, extra_flags: dict | None = None,
-                         dtype: str = "float32", load_format: str = "dummy", max_total_tokens: int | None = None,
+                         dtype: str = "float32", load_format: str = "dummy",
                          timeout_s: float = 600.0, required_flags: dict | None = None, replica: int | None = None,
                          api_key: str | None = None, **engine_options) -> SGLangEngine:
     """Called on every rank of a generator replica (`replica`: its index, for messages). The leader launches its
@@ -519,7 +519,6 @@ def start_replica_engine(spec: ModelSpec, tp_size: int, group, is_leader: bool, 
                 server = SGLangServer.attach(url, timeout_s, api_key=api_key)
             else:
                 server = SGLangServer.launch(model_dir, tp_size, port or free_port(), log_path, dtype=dtype,
-                                             max_total_tokens=max_total_tokens,
                                              extra_flags={**(extra_flags or {}), **(required_flags or {})},
                                              load_format=load_format, timeout_s=timeout_s, replica=replica,
                                              api_key=api_key)

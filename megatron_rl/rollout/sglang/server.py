@@ -132,7 +132,7 @@ CPU_KV_CACHE_TOKENS = 65536
 
 def launch_command(model_path: str, tp_size: int, port: int, *, environ: Mapping[str, str], cuda_available: bool,
                    device_count: int | None = None, cpu_count: int = 1, dtype: str = "float32",
-                   max_total_tokens: int | None = None, extra_flags: dict | None = None, load_format: str = "dummy",
+                   extra_flags: dict | None = None, load_format: str = "dummy",
                    host: str = "127.0.0.1", replica: int | None = None, api_key: str | None = None,
                    python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of one replica's `sglang.launch_server`, from explicit inputs: `environ`
@@ -140,14 +140,15 @@ def launch_command(model_path: str, tp_size: int, port: int, *, environ: Mapping
     from it), `cuda_available` / `device_count` / `cpu_count` describe the machine. Nothing is started.
 
     The server's flags are the run's (model, TP size, address, dtype, token ids in, start-up weights and their
-    version, KV cache size, `api_key` as `--api-key`), then its placement (GPUs from `server_gpu_flags`, or SGLang's
+    version, on CPUs a KV cache of CPU_KV_CACHE_TOKENS (on GPUs SGLang sizes it from memory), `api_key` as
+    `--api-key`), then its placement (GPUs from `server_gpu_flags`, or SGLang's
     CPU flags), then `extra_flags`, which override: `--sglang-base-gpu-id` replaces the computed GPU placement. The
     command holds the key: log it through `redact`."""
     extra_flags = dict(extra_flags or {})
     flags = {"model_path": model_path, "tp_size": tp_size, "host": host, "port": port, "dtype": dtype,
              "load_format": load_format, "skip_tokenizer_init": True,
              "weight_version": "-1" if load_format == "dummy" else "0",
-             "max_total_tokens": max_total_tokens if max_total_tokens or cuda_available else CPU_KV_CACHE_TOKENS,
+             "max_total_tokens": None if cuda_available else CPU_KV_CACHE_TOKENS,
              "api_key": api_key}
     # The server runs its own torch.distributed world: it must not see this process's launcher settings
     # (torchrun's RANK / WORLD_SIZE / MASTER_PORT would make its TP workers join the training job's).
@@ -238,20 +239,18 @@ class SGLangServer:
     # ---- start -------------------------------------------------------------------------------------------------
     @classmethod
     def launch(cls, model_path: str, tp_size: int, port: int, log_path: str, dtype: str = "float32",
-               max_total_tokens: int | None = None, extra_flags: dict | None = None, load_format: str = "dummy",
+               extra_flags: dict | None = None, load_format: str = "dummy",
                host: str = "127.0.0.1", timeout_s: float = 600.0, replica: int | None = None,
                api_key: str | None = None) -> SGLangServer:
         """Start a server from this process (a replica's leader; `launch_command` says with which flags, GPUs
         and environment) and wait until it answers. `load_format="dummy"` starts with random weights, reported
         as weight version -1 until the first update; any other format loads the checkpoint, served as version 0.
-        `max_total_tokens` sizes the KV cache (None: SGLang sizes it from the GPUs' memory, CPU_KV_CACHE_TOKENS on
-        CPUs). `host`:
-        the address the server listens on, loopback by default (the leader is on the same node); `api_key`: the
-        server's --api-key, sent with every request."""
+        `host`: the address the server listens on, loopback by default (the leader is on the same node); `api_key`:
+        the server's --api-key, sent with every request."""
         cuda = torch.cuda.is_available()
         command, env = launch_command(model_path, tp_size, port, environ=os.environ, cuda_available=cuda,
                                       device_count=torch.cuda.device_count() if cuda else None,
-                                      cpu_count=os.cpu_count() or 1, dtype=dtype, max_total_tokens=max_total_tokens,
+                                      cpu_count=os.cpu_count() or 1, dtype=dtype,
                                       extra_flags=extra_flags, load_format=load_format, host=host, replica=replica,
                                       api_key=api_key)
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
