@@ -8,7 +8,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_rl"
 EXECUTORS = ("controller", "trainer", "rollout", "ddma")
-PLUG_INS = ("algorithms", "rewards", "data", "models")
+PLUG_INS = ("algorithms", "rewards", "data", "models", "tools")
 
 
 def _module_name(path: pathlib.Path) -> str:
