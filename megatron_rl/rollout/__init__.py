@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from megatron_rl.rollout import local, sglang
+from megatron_rl.rollout.agent import ROLLOUT_FUNCTIONS, rollout_program
 from megatron_rl.rollout.local.engine import LocalEngine
 from megatron_rl.rollout.sglang import arguments as sglang_arguments
 from megatron_rl.rollout.sglang.arguments import collect_server_flags
@@ -85,8 +86,8 @@ class Backend:
     check_setup: Callable[[argparse.Namespace, ModelSpec], dict] = _no_setup_checks
 
 
-__all__ = ["ENGINE_BACKENDS", "LOGPROB_CONVENTION", "Backend", "Engine", "LocalEngine", "RolloutOutput",
-           "SamplingParams", "collect_server_flags"]
+__all__ = ["ENGINE_BACKENDS", "LOGPROB_CONVENTION", "ROLLOUT_FUNCTIONS", "Backend", "Engine", "LocalEngine",
+           "RolloutOutput", "SamplingParams", "collect_server_flags", "rollout_program"]
 
 
 ENGINE_BACKENDS: dict[str, Backend] = {

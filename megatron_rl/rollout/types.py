@@ -16,6 +16,8 @@ LOGPROB_CONVENTION = "temperature-scaled, before top-k/top-p"
 # requests' KV caches and recomputes them under the new weights, "in_place" keeps them, "abort" ends the requests.
 PAUSE_MODES = ("retract", "in_place", "abort")
 
+NOT_SAMPLED = -1  # the weight version recorded for a trajectory token that no policy sampled (a tool's output)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -49,6 +51,7 @@ class RequestMeta:
     is_eval: bool
     dispatched_at: float  # wall time
     metadata: dict = dataclasses.field(default_factory=dict)  # the dataset record's "metadata", for the reward
+    prompt: str | list[dict] | None = None  # the record's prompt as written (text or messages), for agent programs
 
     @property
     def group(self) -> tuple[bool, str]:
@@ -68,7 +71,10 @@ class RolloutOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     num_retractions: int = 0
     logprob_convention: str = LOGPROB_CONVENTION
-    loss_mask: list[bool] | None = None  # per generated token; None: every token is a policy action
+    # per generated token; None: every token is a policy action. False marks the tokens of an agent trajectory that
+    # the policy did not sample (tool output, environment text, a user turn): their log-probs are 0, their versions
+    # NOT_SAMPLED, and they are never trained on.
+    loss_mask: list[bool] | None = None
     # Mixture-of-experts models (None for dense ones): the experts the generator routed each position to, for
     # rollout routing replay (R3). routed_experts[t][l] = the top-k expert ids (global numbers, in the router's
     # descending-probability order) chosen at layer l for the token at position t of prompt_token_ids +
@@ -79,3 +85,13 @@ class RolloutOutput:
     # millions of entries). The routes of a resumed (retracted) request are those of its re-prefill, by the weights
     # it resumed under.
     routed_experts: torch.Tensor | None = None
+    # An agent trajectory's summary (`rollout.agent.Trajectory.summary`): reward or reward input, turns, tool calls
+    # and errors, an environment failure; None for a plain single-call rollout.
+    trajectory: dict | None = None
+
+    @property
+    def policy_versions(self) -> list[int]:
+        """The weight versions of the tokens the policy sampled (its staleness is the oldest of them)."""
+        if self.loss_mask is None:
+            return self.versions
+        return [v for v, sampled in zip(self.versions, self.loss_mask) if sampled]

@@ -3,13 +3,16 @@
 The replica's leader takes messages from the controller: "requests" (add them to the engine), "sync" (pause,
 receive the new weights by DDMA, continue), "keep-alive" (answered with "alive"),
 "stop". It shares them with the replica's other TP ranks, which
-make exactly the same engine calls (SPMD, as SGLang's TP schedulers do). Finished rollouts go back to the
+make exactly the same engine calls (SPMD, as SGLang's TP schedulers do). With agent rollouts (a rollout program,
+`rollout.agent`) the leader runs the programs, and their policy calls are what it shares and the engine decodes;
+finished trajectories are the rollouts. Finished rollouts go back to the
 controller a group at a time: the controller can use only complete groups, and each message wakes a thread on
 the trainer's rank 0, so one message per engine step with complete groups beats one per finished sample.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter, defaultdict
 
@@ -20,7 +23,8 @@ from megatron_rl.config.setup import RunSetup
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
 from megatron_rl.rollout import ENGINE_BACKENDS
-from megatron_rl.rollout.types import RequestMeta, SamplingParams
+from megatron_rl.rollout.agent import AgentRunner, AgentSample, rollout_program
+from megatron_rl.rollout.types import RequestMeta, RolloutOutput, SamplingParams
 from megatron_rl.runtime import failpoints
 from megatron_rl.runtime.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
 from megatron_rl.runtime.roles import Roles
@@ -40,13 +44,22 @@ class GeneratorWorker:
         self.unfinished: Counter = Counter()  # group -> samples still generating
         self.held: dict[tuple, list] = defaultdict(list)  # group -> finished samples waiting for the rest
         self.version = -1  # of the weights the engine holds
+        program = rollout_program(self.args, setup.tokenizer, setup.stop_token_ids)
+        self.agents = None  # the leader's rollout programs (None: one engine request per sample)
+        self.agentic = program is not None
+        if self.agentic and roles.is_leader:
+            self.agents = AgentRunner(program, setup.tokenizer, self.args.seq_length, setup.spec.vocab_size)
 
     def run(self) -> None:
         try:
             while self._handle(self._messages()):
                 if self.engine.has_work() and not self.engine.paused:
                     self._step()
+                if self.agents is not None:
+                    self._finished(self.agents.take_finished())
         finally:
+            if self.agents is not None:
+                self.agents.shutdown()
             self.engine.shutdown()
 
     def _messages(self) -> list:
@@ -56,10 +69,15 @@ class GeneratorWorker:
         if self.roles.is_leader:
             if not self.engine.has_work():
                 start = time.perf_counter()
-                msgs.append(self.control.recv(0)[0])
+                if self.agents is not None and self.agents.active:
+                    self.agents.wait(0.01)  # programs between policy calls (tools running): poll both sides
+                else:
+                    msgs.append(self.control.recv(0)[0])
                 self.stats["idle_s"] += time.perf_counter() - start
             while (m := self.control.poll(0)) is not None:
                 msgs.append(m[0])
+            if self.agents is not None and (calls := self.agents.take_calls()):
+                msgs.append(("policy-calls", [(rid, ids, dataclasses.asdict(p)) for rid, ids, p in calls]))
         if self.roles.rollout_tp > 1:
             box = [msgs]
             group = self.roles.replica_control_group  # gloo: the other TP ranks wait in host memory
@@ -70,11 +88,18 @@ class GeneratorWorker:
     def _handle(self, messages: list) -> bool:
         """Apply the controller's messages; False once told to stop."""
         for kind, payload in messages:
-            if kind == "requests":
+            if kind == "requests" and not (self.agentic and self.agents is None):  # (the leader runs programs)
                 for rid, prompt, params, meta in payload:
-                    self.engine.add_request(prompt, SamplingParams(**params), rid)
                     self.meta[rid] = meta
                     self.unfinished[meta.group] += 1
+                    if self.agents is not None:
+                        self.agents.start(AgentSample(rid, meta.prompt, prompt, meta.reference, meta.metadata,
+                                                      meta.is_eval), SamplingParams(**params))
+                    elif not self.agentic:
+                        self.engine.add_request(prompt, SamplingParams(**params), rid)
+            elif kind == "policy-calls":  # the rollout programs' calls, made by every TP rank of the replica
+                for rid, prompt, params in payload:
+                    self.engine.add_request(prompt, SamplingParams(**params), rid)
             elif kind == "sync":
                 start = time.perf_counter()
                 self.engine.pause(self.args.rollout_pause_mode)
@@ -101,8 +126,15 @@ class GeneratorWorker:
         self.stats["busy_s"] += time.perf_counter() - start
         self.stats["engine_restarts"] = self.engine.restarts
         self.stats["rerun_requests"] = self.engine.rerun_requests
+        if self.agents is not None:
+            self.agents.resolve(finished)  # policy calls: their programs go on
+        elif not self.agentic:
+            self._finished(finished)
+
+    def _finished(self, outputs: list[RolloutOutput]) -> None:
+        """Hold finished rollouts until their group is complete, then send the complete groups (the leader)."""
         complete = []
-        for output in finished:
+        for output in outputs:
             meta = self.meta.pop(output.request_id)
             self.held[meta.group].append((output, meta))
             self.unfinished[meta.group] -= 1
@@ -110,5 +142,5 @@ class GeneratorWorker:
                 del self.unfinished[meta.group]
                 complete += self.held.pop(meta.group)
         if complete and self.roles.is_leader:
-            self.stats["tokens"] += sum(len(o.token_ids) for o, _ in complete)
+            self.stats["tokens"] += sum(len(o.policy_versions) for o, _ in complete)  # the tokens it sampled
             self.rollouts.send(("rollouts", (complete, dict(self.stats))), 0)

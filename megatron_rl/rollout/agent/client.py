@@ -1,0 +1,64 @@
+"""What an agent program is given: its sample, and a client to the policy that speaks tokens in, tokens out.
+
+A policy call is a request to this generator's engine like any other: it is decoded beside every other request,
+and a weight update pauses, retracts and resumes it, so one call's tokens may carry two versions. The client
+carries the run's sampling parameters and stop tokens, a seed per call derived from the sample's, and the limits:
+no call goes past --seq-length, and `sample` keeps a trajectory within its response budget
+(--rollout-max-response-len, every token after the prompt, policy or not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from megatron_rl.rollout.agent.trajectory import Generation, Trajectory
+from megatron_rl.rollout.types import RolloutOutput, SamplingParams
+from megatron_rl.tools import EnvironmentFailure
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSample:
+    request_id: str
+    prompt: str | list[dict] | None  # the record's prompt as written: text or OpenAI messages
+    prompt_token_ids: list[int]  # the run's rendering of it (--apply-chat-template, --system-prompt)
+    label: Any  # the reference answer
+    metadata: dict
+    is_eval: bool = False
+
+
+class GenerationClient:
+    def __init__(self, submit: Callable[[str, list[int], SamplingParams], Awaitable[RolloutOutput]], request_id: str,
+                 sampling_params: SamplingParams, tokenizer, max_context: int, response_budget: int):
+        self.sampling_params, self.tokenizer = sampling_params, tokenizer
+        self.max_context, self.response_budget = max_context, response_budget
+        self._submit, self._request_id, self._calls = submit, request_id, 0
+
+    async def generate(self, token_ids: list[int], **overrides) -> Generation:
+        """The policy's continuation of `token_ids`; `overrides`: `SamplingParams` fields for this call. Stops at
+        the context limit (finish_reason "length", possibly with no token)."""
+        params = dataclasses.replace(self.sampling_params, **overrides)
+        room = self.max_context - len(token_ids)
+        if room <= 0:
+            return Generation([], [], [], "length")
+        # the sample's seed and the call's number (None: the engine derives one from the call's request id)
+        seed = None if params.seed is None else (params.seed * 1_000_003 + self._calls) & 0x7FFFFFFF
+        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room), seed=seed)
+        output = await self._submit(f"{self._request_id}@{self._calls}", list(token_ids), params)
+        self._calls += 1
+        if output.finish_reason not in ("stop", "length"):
+            raise EnvironmentFailure(f"the engine ended a policy call with finish reason {output.finish_reason!r}")
+        return Generation(output.token_ids, output.logprobs, output.versions, output.finish_reason,
+                          output.num_retractions)
+
+    async def sample(self, trajectory: Trajectory, **overrides) -> Generation:
+        """The policy's next turn of `trajectory`, appended to it, within what is left of its response budget."""
+        left = self.response_budget - trajectory.num_response_tokens
+        if left <= 0:
+            trajectory.finish_reason = "length"
+            return Generation([], [], [], "length")
+        limit = overrides.pop("max_new_tokens", self.sampling_params.max_new_tokens)
+        generation = await self.generate(trajectory.token_ids, max_new_tokens=min(limit, left), **overrides)
+        trajectory.add_policy(generation)
+        return generation
