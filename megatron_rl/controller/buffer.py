@@ -23,7 +23,7 @@ import torch
 
 from megatron_rl.algorithms import lag_histogram
 from megatron_rl.algorithms.gates import failure_gate, version_gate
-from megatron_rl.rewards.types import RewardResult
+from megatron_rl.rewards.types import EXCLUDED_STATUSES, RewardResult
 from megatron_rl.rollout.types import RequestMeta, RolloutOutput
 
 
@@ -46,7 +46,8 @@ class Rollout:
 
     @property
     def oldest_version(self) -> int:
-        return min(self.output.versions) if self.output.versions else -1
+        versions = self.output.policy_versions
+        return min(versions) if versions else -1
 
     @property
     def failed(self) -> bool:
@@ -130,7 +131,8 @@ class RolloutBuffer:
             lags += [r.oldest_version for r in group]
             rewards += [r.reward.reward for r in group if not r.failed]
             gate = version_gate(trainer_version, [r.oldest_version for r in group], self.max_staleness) & \
-                failure_gate(["failure" if r.failed else "ok" for r in group], ("failure",))
+                failure_gate([r.reward.status if r.reward.is_failure else "failure" if r.failed else "ok"
+                              for r in group], EXCLUDED_STATUSES + ("failure",))
             kept = [r for r, keep in zip(group, gate.keep.tolist()) if keep]
             discards.update(r.split(":")[0] for r in gate.reasons if r)
             outcomes += [(r, reason) for r, reason in zip(group, gate.reasons) if reason]

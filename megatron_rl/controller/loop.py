@@ -33,7 +33,7 @@ from megatron_rl.controller import evaluation
 from megatron_rl.controller.buffer import Rollout, RolloutBuffer
 from megatron_rl.controller.held import HeldBatch
 from megatron_rl.controller.prompt_source import PromptSource
-from megatron_rl.controller.reward_failures import RewardFailures
+from megatron_rl.controller.reward_failures import RewardFailures, environment_failures
 from megatron_rl.controller.reward_stage import RewardStage
 from megatron_rl.data.prompts import check_prompt_lengths, encode_prompt
 from megatron_rl.observability.metrics import (
@@ -69,6 +69,7 @@ class Controller:
         self.reward_fn = build_reward_fn(args.reward_fn, args.reward_num_workers, args.reward_timeout,
                                          args.custom_rm_path)
         self.stop_token_ids = setup.stop_token_ids
+        self.agentic = args.rollout_function != "single-turn" or bool(args.custom_generate_function_path)
         shaping = OverlongPenalty(args.rollout_max_response_len, args.overlong_buffer_len,
                                   args.overlong_penalty_factor) if args.overlong_penalty else None
         self.stage = RewardStage(rollouts, self.tokenizer, self.reward_fn, len(leaders), self.stop_token_ids, shaping)
@@ -98,6 +99,7 @@ class Controller:
         self.version, self.consumed, self.skipped_steps, self.consecutive_skips = -1, 0, 0, 0
         self.step = 0  # the RL step under way (0 before the first)
         self.reward_failures = RewardFailures(args.max_consecutive_reward_failures)
+        self.environment_failures = environment_failures(args.max_consecutive_environment_failures)
         self.early_exit = early_exit or EarlyExit()
         # generators with nothing to do wait for the next message at most --distributed-timeout-minutes, and this
         # rank for their rollouts as long: a keep-alive to every leader, which each answers, when nothing was sent
@@ -135,7 +137,8 @@ class Controller:
             self._next_leader += 1
             for k in (range(samples) if isinstance(samples, int) else samples):
                 rid = f"{'eval:' if is_eval else ''}{pid}#{k}"
-                meta = RequestMeta(pid, k, problem["answer"], is_eval, time.time(), problem.get("metadata", {}))
+                meta = RequestMeta(pid, k, problem["answer"], is_eval, time.time(), problem.get("metadata", {}),
+                                   problem["prompt"] if self.agentic else None)
                 by_leader[leader].append((rid, prompt, dict(params, seed=stable_seed(self.args.seed, rid)), meta))
         for leader, requests in by_leader.items():
             self.control.send(("requests", requests), leader)
@@ -180,6 +183,7 @@ class Controller:
             self._stopped += 1
             return True
         self.reward_failures.check(scored.rewards)
+        self.environment_failures.check(scored.rewards)
         if times is not None:
             times.wait_s += time.perf_counter() - start
             times.reward_s += scored.reward_s

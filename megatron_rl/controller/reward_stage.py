@@ -10,6 +10,8 @@ penalty) adjusts RL rollouts' rewards by their length; evaluation rewards stay a
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import queue
 import threading
 import time
@@ -55,7 +57,7 @@ class RewardStage:
                     continue
                 rollouts, stats = payload
                 start = time.perf_counter()
-                rewards = self.reward_fn([self.sample(o, m) for o, m in rollouts])
+                rewards = self.score(rollouts)
                 if self.shaping is not None:
                     rewards = [r if m.is_eval else self.shaping(r, len(o.token_ids))
                                for r, (o, m) in zip(rewards, rollouts)]
@@ -63,11 +65,37 @@ class RewardStage:
         except BaseException as e:  # noqa: BLE001 - raised again in the controller's thread by get()
             self._scored.put(e)
 
+    def score(self, rollouts: list[tuple[RolloutOutput, RequestMeta]]) -> list[RewardResult]:
+        """One result per rollout. An agent trajectory whose environment failed is excluded with the reason
+        ("environment-failure"), one that brings its own reward keeps it; the rest go to the reward function."""
+        results: list[RewardResult | None] = [None] * len(rollouts)
+        for i, (output, _) in enumerate(rollouts):
+            trajectory = output.trajectory or {}
+            if trajectory.get("environment_failure"):
+                results[i] = RewardResult(0.0, "environment-failure", None, trajectory["environment_failure"])
+            elif trajectory.get("reward") is not None:
+                reward = trajectory["reward"]
+                results[i] = RewardResult(float(reward), "scored") if isinstance(reward, numbers.Real) and \
+                    math.isfinite(reward) else RewardResult(0.0, "scorer-failure", None,
+                                                            f"the rollout program's reward {reward!r} is not a "
+                                                            "finite number")
+        todo = [i for i, r in enumerate(results) if r is None]
+        if todo:
+            for i, result in zip(todo, self.reward_fn([self.sample(*rollouts[i]) for i in todo])):
+                results[i] = result
+        return results
+
     def sample(self, output: RolloutOutput, meta: RequestMeta) -> RewardSample:
-        response = [t for t in output.token_ids if t not in self.stop_token_ids]
+        """What the reward function scores: the response decoded without stop tokens, or the text an agent
+        trajectory names (its final answer), with the trajectory's metadata beside the record's."""
+        trajectory = output.trajectory or {}
+        response = trajectory.get("response")
+        if response is None:
+            response = self.tokenizer.decode([t for t in output.token_ids if t not in self.stop_token_ids])
+        metadata = {**meta.metadata, **trajectory.get("metadata", {})}
         return RewardSample(prompt=self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=True),
-                            response=self.tokenizer.decode(response),
-                            label=meta.reference, metadata=meta.metadata, finish_reason=output.finish_reason)
+                            response=response, label=meta.reference, metadata=metadata,
+                            finish_reason=output.finish_reason)
 
     def get(self, timeout: float | None = None) -> Scored:
         """The next scored message; `timeout` 0: only if one is ready. Raises queue.Empty after `timeout`."""

@@ -106,7 +106,8 @@ class RolloutLog:
             "lag": version - r.oldest_version, "outcome": reason or "trained", "reward": r.reward.reward,
             "reward_status": r.reward.status, "finish_reason": r.output.finish_reason,
             "num_retractions": r.output.num_retractions, "logprob_convention": r.output.logprob_convention,
-            "response_tokens": len(r.output.token_ids)} for r, reason in outcomes)
+            "response_tokens": len(r.output.token_ids),
+            **({} if r.output.trajectory is None else {"trajectory": _ledger_trajectory(r)})} for r, reason in outcomes)
 
     def resent(self, step: int, prompt_id: str, samples: list[int]) -> None:
         self._write({"step": step, "event": "resent", "prompt_id": prompt_id, "sample_index": k,
@@ -114,6 +115,26 @@ class RolloutLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _ledger_trajectory(rollout) -> dict:
+    """An agent trajectory's row fields: turns, tool calls and errors, policy tokens, the environment's failure."""
+    t = rollout.output.trajectory
+    return {"turns": t["turns"], "tool_calls": t["tool_calls"], "tool_errors": t["tool_errors"],
+            "policy_tokens": len(rollout.output.policy_versions), "environment_failure": t["environment_failure"]}
+
+
+def agent_metrics(outcomes) -> dict[str, float]:
+    """Agent trajectories among what the step popped: turns and tool calls per trajectory, tool errors per call,
+    environment failures (counted, excluded). Empty for plain rollouts."""
+    trajectories = [r.output.trajectory for r, _ in outcomes if r.output.trajectory is not None]
+    if not trajectories:
+        return {}
+    n, calls = len(trajectories), sum(t["tool_calls"] for t in trajectories)
+    return {"turns_mean": sum(t["turns"] for t in trajectories) / n, "tool_calls_mean": calls / n,
+            "tool_call_rate": sum(t["tool_calls"] > 0 for t in trajectories) / n,
+            "tool_error_rate": sum(t["tool_errors"] for t in trajectories) / calls if calls else 0.0,
+            "environment_failures": sum(bool(t["environment_failure"]) for t in trajectories)}
 
 
 @dataclasses.dataclass
@@ -177,6 +198,7 @@ def step_metrics(rollouts: list, seen: dict, train: dict, times: StepTimes, tota
             "due_groups": seen.get("due_groups", 0),  # --staleness-control admission: trained before too old
             "discards_by_length": discards_by_length(seen["outcomes"]),
             "reward_failures": reward_failures,
+            **{f"agent_{k}": v for k, v in agent_metrics(seen["outcomes"]).items()},
             "generator_restarts": totals["engine_restarts"],
             "rerun_requests": totals["rerun_requests"],
         },

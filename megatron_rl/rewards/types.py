@@ -16,11 +16,12 @@ class RewardSample:
     finish_reason: str = "stop"  # "stop" | "length" (truncated) | "abort"
 
 
-STATUSES = ("scored", "wrong-format", "timeout", "scorer-failure", "bad-input")
+STATUSES = ("scored", "wrong-format", "timeout", "scorer-failure", "bad-input", "environment-failure")
 INFRASTRUCTURE_FAILURES = ("timeout", "scorer-failure")
-# Not trained on: the reward could not be computed (infrastructure), or the sample's own data is unusable (a
-# label that is None, say), which is no more the policy's fault than a crashed worker.
-EXCLUDED_STATUSES = INFRASTRUCTURE_FAILURES + ("bad-input",)
+# Not trained on: the reward could not be computed (infrastructure), the sample's own data is unusable (a label
+# that is None, say), which is no more the policy's fault than a crashed worker, or the environment of an agent
+# trajectory failed (a crashed sandbox, an unreachable tool server: `tools.EnvironmentFailure`).
+EXCLUDED_STATUSES = INFRASTRUCTURE_FAILURES + ("bad-input", "environment-failure")
 
 
 @dataclasses.dataclass(frozen=True)

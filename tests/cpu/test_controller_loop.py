@@ -378,7 +378,7 @@ def test_buffer_releases_complete_groups_oldest_first_and_names_every_drop():
     reasons = {(r.prompt_id, r.sample_index): reason for r, reason in batch.outcomes}
     assert reasons[("c", 0)] == "stale: lag 2 > max staleness 1"
     assert reasons[("c", 1)] == reasons[("d", 1)] == "group too small after gates"
-    assert reasons[("d", 0)] == "infrastructure failure: failure"
+    assert reasons[("d", 0)] == "infrastructure failure: timeout"
     assert reasons[("e", 0)] == reasons[("e", 1)] == "group rewards all equal"
     assert batch.popped == 4 and batch.lag_histogram == {0: 7, 2: 1}
 
