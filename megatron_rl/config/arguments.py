@@ -18,7 +18,7 @@ from megatron_rl.algorithms.losses import add_loss_arguments
 from megatron_rl.config.validation import validate
 from megatron_rl.models.parallelism import KERNEL_FUSIONS, MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
-from megatron_rl.rollout import ENGINE_BACKENDS, collect_server_flags
+from megatron_rl.rollout import ENGINE_BACKENDS, ROLLOUT_FUNCTIONS, collect_server_flags
 from megatron_rl.runtime.early_exit import SIGNALS
 
 
@@ -237,6 +237,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--partial-rollout-max-tokens", type=int, default=None,
                    help="a request yields its slot after this many tokens per weight version and resumes after "
                         "the next update (chunked partial rollouts against stragglers)")
+
+    g = p.add_argument_group("agent rollouts")
+    g.add_argument("--rollout-function", choices=list(ROLLOUT_FUNCTIONS), default="single-turn",
+                   help="single-turn: one policy call per sample; multi-turn: the built-in tool loop (tools of "
+                        "--tool-config called in the Hermes/Qwen <tool_call> format, results in the chat template's "
+                        "tool turn, up to --max-turns assistant turns)")
+    g.add_argument("--custom-generate-function-path", metavar="FILE.py:FUNCTION | MODULE:FUNCTION",
+                   help="your rollout program instead of --rollout-function: `async def generate(sample, client)` "
+                        "returning a megatron_rl.rollout.agent.Trajectory; it may call the policy any number of "
+                        "times (client.generate: tokens in, tokens out) and use tools")
+    g.add_argument("--tool-config", metavar="FILE.json",
+                   help="the tools of --rollout-function multi-turn: a JSON list of OpenAI function tools (built-ins "
+                        "by name: calculator, python; others with an \"implementation\": FILE.py:FUNCTION); default: "
+                        "the calculator and the Python sandbox")
+    g.add_argument("--max-turns", type=int, default=4, help="assistant turns per trajectory (multi-turn)")
+    g.add_argument("--max-tokens-per-turn", type=int,
+                   help="tokens per assistant turn (default: what is left of --rollout-max-response-len, the "
+                        "budget of the whole trajectory after its prompt)")
+    g.add_argument("--max-observation-len", type=int, default=256,
+                   help="a tool result's tokens in its turn; longer ones are truncated, saying so")
+    g.add_argument("--tool-timeout", type=float, default=5.0, help="seconds per Python sandbox call")
+    g.add_argument("--sandbox-memory-mb", type=int, default=1024, help="the Python sandbox's address space limit")
+    g.add_argument("--max-consecutive-environment-failures", type=int, default=64,
+                   help="stop the run when the environment (a tool's sandbox or server, the rollout program) fails "
+                        "on this many trajectories in a row; isolated failures are excluded and counted")
 
     g = p.add_argument_group("algorithm")
     add_loss_arguments(g)

@@ -186,7 +186,7 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     from megatron_rl.data.readers import file_format
     from megatron_rl.ddma import validate_plan
     from megatron_rl.rewards.registry import reward_factory
-    from megatron_rl.rollout import ENGINE_BACKENDS
+    from megatron_rl.rollout import ENGINE_BACKENDS, rollout_program
 
     rl_checkpoint.resume_or_start(args, clean=not getattr(args, "dry_run", False))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args)
@@ -227,4 +227,6 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
         rl_checkpoint.check_initial_weights(args.load_megatron, spec, trainer.transformer_impl)
     setup = RunSetup(args, tokenizer, spec, trainer, generator, server_flags)
     setup.stop_token_ids  # noqa: B018 - reads generation_config.json now: a bad one fails here, not mid-run
+    # the rollout program, its tools and its chat turns: a bad function, tool file or template fails here
+    rollout_program(args, tokenizer, setup.stop_token_ids)
     return setup

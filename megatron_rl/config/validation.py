@@ -111,6 +111,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     validate_reward_shaping(args, parser)
+    validate_agent(args, parser)
     if args.rollout_temperature <= 0:
         parser.error(f"--rollout-temperature must be > 0 for RL sampling, got {args.rollout_temperature}")
     for backend in ENGINE_BACKENDS.values():  # each refuses its own flags when another backend was chosen
@@ -147,6 +148,32 @@ def validate_lag(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     elif args.max_staleness < 1:
         parser.error(f"--async-mode {args.async_mode} trains on rollouts one version old: --max-staleness must be "
                      f">= 1, got {args.max_staleness} (or use --async-mode off)")
+
+
+def validate_agent(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Agent rollouts: one program (the built-in tool loop or yours), its options only with it, ranges."""
+    multi_turn = args.rollout_function == "multi-turn"
+    if multi_turn and args.custom_generate_function_path:
+        parser.error("--rollout-function multi-turn and --custom-generate-function-path both give the rollout "
+                     "program: pass one")
+    if multi_turn and not args.apply_chat_template:
+        parser.error("--rollout-function multi-turn needs --apply-chat-template (tool turns are the chat "
+                     "template's)")
+    if not multi_turn:
+        given = [f for f, v in (("--tool-config", args.tool_config), ("--max-tokens-per-turn",
+                                                                      args.max_tokens_per_turn)) if v is not None]
+        if given:
+            parser.error(f"{', '.join(given)} need(s) --rollout-function multi-turn")
+    if (multi_turn or args.custom_generate_function_path) and args.use_rollout_routing_replay:
+        parser.error("--use-rollout-routing-replay records the routes of one policy call per rollout; agent "
+                     "rollouts (--rollout-function multi-turn, --custom-generate-function-path) do not carry them")
+    for flag in ("--max-turns", "--max-tokens-per-turn", "--max-observation-len", "--sandbox-memory-mb",
+                 "--max-consecutive-environment-failures"):
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if args.tool_timeout <= 0:
+        parser.error(f"--tool-timeout must be > 0, got {args.tool_timeout}")
 
 
 def validate_reward_shaping(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

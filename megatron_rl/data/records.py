@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ def normalize(raw, where: str, index: int, fields: RecordFields) -> dict:
 
 
 def check_messages(messages: list, where: str) -> None:
-    """An OpenAI-style chat: a non-empty list of {"role", "content"} objects, roles system/user/assistant."""
+    """An OpenAI-style chat: a non-empty list of {"role", "content"} objects, roles system/user/assistant/tool."""
     if not messages:
         raise ValueError(f"{where}: the message list is empty")
     for i, message in enumerate(messages):
