@@ -1,0 +1,359 @@
+"""Agent rollouts: trajectories of policy and tool tokens through the built-in engine across a weight update
+(against `transformers`), the tool loop on the chat template, the Python sandbox's limits, environment failures
+excluded and counted, and a launch with a rollout program from a file.
+
+fp32; log-prob tolerance 1e-5 (the engine and transformers order their reductions differently, ~1e-7)."""
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, random_hf_weights
+
+from megatron_rl.controller.buffer import Rollout, RolloutBuffer
+from megatron_rl.controller.reward_failures import RewardFailures, environment_failures
+from megatron_rl.controller.reward_stage import RewardStage
+from megatron_rl.data.tasks import tool_arithmetic
+from megatron_rl.models import weight_map
+from megatron_rl.models.hf import save_random_hf_model
+from megatron_rl.models.spec import get_model_spec
+from megatron_rl.rewards.types import RewardResult
+from megatron_rl.rollout import LocalEngine
+from megatron_rl.rollout.agent import (
+    AgentRunner,
+    AgentSample,
+    EnvironmentFailure,
+    GenerationClient,
+    MultiTurn,
+    ToolTurns,
+    Trajectory,
+)
+from megatron_rl.rollout.types import NOT_SAMPLED, RequestMeta, RolloutOutput, SamplingParams
+from megatron_rl.tools import (
+    SandboxLimits,
+    ToolCall,
+    ToolSet,
+    built_in_tools,
+    format_tool_call,
+    load_tool_config,
+    parse_tool_calls,
+    run_python,
+)
+
+LLAMA = get_model_spec("tiny-llama").replace(name="tiny-llama-v200", vocab_size=200)
+OBSERVATION = [20, 21, 22]
+
+
+# ---- a trajectory through the engine ------------------------------------------------------------------------------
+
+async def three_turns(sample, client):
+    trajectory = Trajectory(list(sample.prompt_token_ids))
+    for turn in range(3):
+        if turn:
+            trajectory.add_observation(OBSERVATION)
+        await client.sample(trajectory, max_new_tokens=4, ignore_eos=True)
+    return trajectory
+
+
+def _drive(engine, runner, samples, update):
+    """What the generator worker does with a runner: policy calls into the engine, outputs back, until every
+    program finished; `update()` once after the engine's 6th step (calls in flight are retracted and resume)."""
+    for sample in samples:
+        runner.start(sample, SamplingParams(temperature=1.0, max_new_tokens=64, seed=7))
+    finished, steps = [], 0
+    while len(finished) < len(samples):
+        for rid, prompt, params in runner.take_calls():
+            engine.add_request(prompt, params, rid)
+        if engine.has_work():
+            runner.resolve(engine.step())
+            steps += 1
+            if steps == 6:
+                engine.pause("retract")
+                update()
+                engine.continue_generation()
+        else:
+            runner.wait(1.0)
+        finished += runner.take_finished()
+    return finished
+
+
+def test_a_trajectory_through_the_engine_across_a_weight_update(tmp_path):
+    import transformers
+
+    old = save_random_hf_model(LLAMA, tmp_path / "old", seed=0)
+    new_weights = random_hf_weights(LLAMA, seed=5, std=0.1)
+    new = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "old")
+    new.load_state_dict(new_weights)
+    engine = LocalEngine.from_hf(str(tmp_path / "old"), max_slots=8)
+
+    def update():
+        engine.begin_weight_update()
+        engine.load_weights([(name, weight_map.assemble(lay, weight_map.slicer(new_weights)))
+                             for name, lay in weight_map.sglang_shards(LLAMA, 1, 0).items()])
+        engine.end_weight_update(version=1)
+
+    runner = AgentRunner(three_turns, tokenizer=None, max_context=128, vocab_size=LLAMA.vocab_size)
+    prompts = [[1, 5, 7, 9], [3, 4], [10, 11, 12]]
+    samples = [AgentSample(f"p{i}#0", None, p, "", {}) for i, p in enumerate(prompts)]
+    try:
+        outputs = _drive(engine, runner, samples, update)
+    finally:
+        runner.shutdown()
+    assert sorted(o.request_id for o in outputs) == ["p0#0", "p1#0", "p2#0"]
+    crossed = 0
+    for out in outputs:
+        policy = [True] * 4
+        assert out.loss_mask == policy + [False] * 3 + policy + [False] * 3 + policy
+        assert [t for t, m in zip(out.token_ids, out.loss_mask) if not m] == OBSERVATION * 2  # appended as given
+        assert all(v == NOT_SAMPLED for v, m in zip(out.versions, out.loss_mask) if not m)
+        assert all(lp == 0.0 for lp, m in zip(out.logprobs, out.loss_mask) if not m)
+        versions = out.policy_versions
+        assert versions == sorted(versions) and set(versions) <= {0, 1}
+        crossed += len(set(versions)) == 2
+        assert out.trajectory["turns"] == 3
+        # each policy token's log-prob is its sampling model's, given exactly the trajectory before it
+        sequence = out.prompt_token_ids + out.token_ids
+        with torch.no_grad():
+            logits = {v: m(torch.tensor([sequence])).logits[0] for v, m in ((0, old), (1, new))}
+        start = len(out.prompt_token_ids)
+        for j, (token, lp, v, m) in enumerate(zip(out.token_ids, out.logprobs, out.versions, out.loss_mask)):
+            if m:
+                want = torch.log_softmax(logits[v][start + j - 1], -1)[token]
+                torch.testing.assert_close(torch.tensor(lp), want, atol=1e-5, rtol=0)
+    assert crossed  # the update came in the middle of a trajectory (one of its calls was retracted and resumed)
+
+
+def test_a_program_that_breaks_the_limits_or_fails_is_excluded_with_the_reason():
+    async def too_long(sample, client):
+        trajectory = Trajectory(list(sample.prompt_token_ids))
+        trajectory.add_observation([5] * 50)
+        return trajectory
+
+    async def crashes(sample, client):
+        raise KeyError("state")
+
+    async def environment(sample, client):
+        raise EnvironmentFailure("sandbox worker crashed")
+
+    reasons = {}
+    for program in (too_long, crashes, environment):
+        runner = AgentRunner(program, None, max_context=128, vocab_size=200)
+        try:
+            runner.start(AgentSample("p#0", None, [1, 2], "", {}), SamplingParams(max_new_tokens=16))
+            while not (done := runner.take_finished()):
+                runner.wait(1.0)
+        finally:
+            runner.shutdown()
+        reasons[program.__name__] = done[0].trajectory["environment_failure"]
+    assert reasons == {
+        "too_long": "the trajectory has 50 tokens after its prompt, more than --rollout-max-response-len 16",
+        "crashes": "the rollout program raised KeyError: 'state'",
+        "environment": "sandbox worker crashed"}
+
+
+# ---- the tool loop on a chat template -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    return tool_arithmetic.build_tokenizer()
+
+
+class ScriptedPolicy:
+    """Stands in for the engine behind a `GenerationClient`: answers each call with the next scripted turn (the
+    engine path itself is tested above); records the prompts it was given."""
+
+    def __init__(self, tokenizer, turns):
+        self.tokenizer, self.turns, self.prompts = tokenizer, list(turns), []
+
+    async def __call__(self, request_id, token_ids, params):
+        self.prompts.append(list(token_ids))
+        ids = self.tokenizer.encode(self.turns.pop(0), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        ids = ids[:params.max_new_tokens]
+        finish = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
+        return RolloutOutput(request_id, token_ids, ids, [-0.5] * len(ids), [3] * len(ids), finish)
+
+
+def _loop(tokenizer, tools=("calculator",), **limits):
+    turns = ToolTurns(tokenizer, [tokenizer.eos_token_id])
+    return MultiTurn(ToolSet(built_in_tools(tools), SandboxLimits(timeout_s=2, memory_mb=512)), turns,
+                     limits.get("max_turns", 4), None, limits.get("max_observation_tokens", 64), "Use the calculator.")
+
+
+def _run_loop(tokenizer, loop, script, budget=400):
+    policy = ScriptedPolicy(tokenizer, script)
+    client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=budget, seed=1), tokenizer, 4096, budget)
+    sample = AgentSample("q#0", [{"role": "user", "content": "12*34+56=?"}], [1], "464", {})
+    return asyncio.run(loop(sample, client)), policy
+
+
+def test_the_tool_loop_trains_exactly_the_chat_templates_rendering(chat_tokenizer):
+    """The template is prefix-stable: the trajectory's tokens are its rendering of the whole conversation, the
+    policy's tokens are exactly its turns (and their end tokens), and each call continued the trajectory."""
+    tok = chat_tokenizer
+    call = format_tool_call("calculator", {"expression": "12*34+56"})
+    answer = "The answer is \\boxed{464}."
+    trajectory, policy = _run_loop(tok, _loop(tok), [call, answer])
+    conversation = [{"role": "system", "content": "Use the calculator."},
+                    {"role": "user", "content": "12*34+56=?"}, {"role": "assistant", "content": call},
+                    {"role": "tool", "content": "464"}, {"role": "assistant", "content": answer}]
+    rendered = tok.apply_chat_template(conversation, tokenize=True, return_dict=False)
+    assert trajectory.token_ids == rendered[:len(trajectory.token_ids)]
+    assert tok.decode(rendered[len(trajectory.token_ids):]) == "\n"  # what the template writes after the last turn
+    out = trajectory.to_output("q#0")
+    sampled = [t for t, m in zip(out.token_ids, out.loss_mask) if m]
+    assert tok.decode(sampled) == call + "<|im_end|>" + answer + "<|im_end|>"
+    assert policy.prompts == [trajectory.prompt_token_ids, trajectory.token_ids[:len(policy.prompts[1])]]
+    assert (out.trajectory["turns"], out.trajectory["tool_calls"], out.trajectory["tool_errors"]) == (2, 1, 0)
+    assert out.trajectory["response"] == answer and out.finish_reason == "stop"
+
+
+def test_tool_errors_are_observations_and_the_limits_end_the_trajectory(chat_tokenizer):
+    tok = chat_tokenizer
+    bad = ["<tool_call>{not json</tool_call>", format_tool_call("calculator", {"expr": "1"}),
+           format_tool_call("search", {"q": "x"}), format_tool_call("calculator", {"expression": "1/0"})]
+    trajectory, _ = _run_loop(tok, _loop(tok, max_turns=5), [*bad, "done"], budget=2000)
+    observations = [tok.decode(s.token_ids) for s in trajectory.segments if not s.is_policy]
+    assert ["not valid JSON" in observations[0], "bad arguments for calculator" in observations[1],
+            "no tool named 'search'" in observations[2], "division by zero" in observations[3]] == [True] * 4
+    assert (trajectory.tool_calls, trajectory.tool_errors, trajectory.turns) == (4, 4, 5)
+    # --max-turns: the last turn's call is not run; a long tool result is cut to --max-observation-len
+    trajectory, _ = _run_loop(tok, _loop(tok, max_turns=2), [format_tool_call("calculator", {"expression": "2"})] * 2)
+    assert (trajectory.turns, trajectory.tool_calls) == (2, 1)
+    long = format_tool_call("calculator", {"expression": "7**300"})
+    trajectory, _ = _run_loop(tok, _loop(tok, max_observation_tokens=10), [long, "ok"])
+    assert "(244 more tokens)" in tok.decode(trajectory.segments[1].token_ids)
+    # the response budget: a tool turn that does not fit ends the trajectory as truncated
+    trajectory, _ = _run_loop(tok, _loop(tok), [format_tool_call("calculator", {"expression": "2"})], budget=75)
+    assert trajectory.finish_reason == "length" and trajectory.turns == 1 and trajectory.num_response_tokens <= 75
+
+
+def test_tool_calls_parse_in_the_hermes_format():
+    text = 'a <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call> b <tool_call>{"name": "g", ' \
+           '"arguments": "{\\"y\\": 2}"}</tool_call>'
+    assert parse_tool_calls(text) == [ToolCall("f", {"x": 1}), ToolCall("g", {"y": 2})]
+    assert parse_tool_calls("no call") == []
+    assert parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>')[0].error
+
+
+def test_the_tool_file_is_checked_naming_it(tmp_path):
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(built_in_tools(["calculator"])))
+    assert [t["function"]["name"] for t in load_tool_config(str(path))] == ["calculator"]
+    for content, problem in [("[]", "non-empty list"), ('[{"type": "function", "function": {"name": "web"}}]',
+                                                        "not a built-in"),
+                             ('[{"type": "function", "function": {"name": "calculator", "parameters": '
+                              '{"type": 3}}}]', "invalid parameters schema")]:
+        path.write_text(content)
+        with pytest.raises(ValueError, match=f"--tool-config '{path}'.*{problem}"):
+            load_tool_config(str(path))
+
+
+# ---- the Python sandbox ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code,observed", [
+    ("import os\nwhile True:\n    os.fork()", "os.fork is not allowed"),  # a fork bomb
+    ("while True:\n    pass", "ran longer than 2 s"),  # an infinite loop
+    ("x = bytearray(10 * 2**30)", "MemoryError"),  # a 10 GB allocation
+    ("import socket\nsocket.create_connection(('10.1.2.3', 80), timeout=1)", "is not allowed"),  # a network call
+    ("import ctypes\nctypes.CDLL(None).fork()", "is not allowed"),  # the kernel's fork, around the audit hook
+    ("open('/tmp/escaped', 'w')", "only the working directory"),
+], ids=["fork-bomb", "infinite-loop", "10GB", "network", "ctypes-fork", "write-outside"])
+def test_the_sandbox_contains_the_code_and_reports_it(code, observed):
+    result = asyncio.run(run_python(code, SandboxLimits(timeout_s=2, memory_mb=512)))
+    assert result.is_error and observed in result.text, result
+
+
+def test_the_sandbox_runs_code_and_its_own_failure_is_the_environments(tmp_path, monkeypatch):
+    from megatron_rl.tools import sandbox
+
+    result = asyncio.run(run_python("import math\nprint(math.factorial(20))"))
+    assert (result.text, result.is_error) == ("2432902008176640000\n", False)
+    crashing = tmp_path / "harness.py"  # a harness that dies before it contained itself
+    crashing.write_text("import os\nos._exit(70)\n")
+    monkeypatch.setattr(sandbox, "HARNESS", str(crashing))
+    with pytest.raises(EnvironmentFailure, match="exited with status 70 before it was ready"):
+        asyncio.run(run_python("print(1)"))
+
+
+# ---- environment failures: excluded, counted, and a run stops on a broken environment --------------------------------
+
+def test_an_environment_failure_is_excluded_not_scored():
+    failed = RolloutOutput("p#0", [1], [], [], [], "stop", loss_mask=[],
+                           trajectory=Trajectory([1]).summary("sandbox worker crashed"))
+    given = Trajectory([1])
+    given.reward = 0.25
+    scored = [failed, given.to_output("p#1")]
+
+    def reward_fn(samples):
+        raise AssertionError("neither sample goes to the reward function")
+
+    stage = RewardStage.__new__(RewardStage)
+    stage.reward_fn = reward_fn
+    results = stage.score([(o, RequestMeta("p", i, "1", False, 0.0)) for i, o in enumerate(scored)])
+    assert results == [RewardResult(0.0, "environment-failure", None, "sandbox worker crashed"),
+                       RewardResult(0.25, "scored")]
+    buffer = RolloutBuffer(2, 1)
+    for i, (o, r) in enumerate(zip(scored, results)):
+        buffer.add(Rollout(o, RequestMeta("p", i, "1", False, 0.0), r))
+    batch = buffer.take(1, 0)
+    assert [reason for _, reason in batch.outcomes] == ["infrastructure failure: environment-failure",
+                                                        "group too small after gates"]
+    rewards, environment = RewardFailures(3), environment_failures(3)
+    for _ in range(2):
+        rewards.check(results[:1])
+        environment.check(results[:1])
+    assert rewards.streak == 0 and environment.streak == 2
+    with pytest.raises(RuntimeError, match="the environment failed on the last 3 samples in a row "
+                                           r"\(--max-consecutive-environment-failures 3\).*sandbox worker crashed"):
+        environment.check(results[:1])
+
+
+# ---- launches --------------------------------------------------------------------------------------------------------
+
+PROGRAMS = os.path.join(ROOT, "tests", "cpu", "agent_programs.py")
+LAUNCH = ["--global-batch-size", "8", "--micro-batch-size", "8", "--n-samples-per-prompt", "4", "--eval-size", "0",
+          "--lr", "1e-3", "--reward-num-workers", "1", "--seed", "3", "--keep-uniform-groups",
+          "--rollout-max-response-len", "16", "--max-staleness", "1"]
+
+
+def _launch(out_dir, *flags):
+    from megatron_rl.runtime.spawn import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "megatron_rl.train", *LAUNCH, "--output-dir", str(out_dir), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_rollout_program_from_a_file_trains_its_trajectories(tmp_path):
+    from megatron_rl.data.tokenizer import build_char_tokenizer
+    from megatron_rl.observability.accounting import account
+
+    r = _launch(tmp_path, "--train-iters", "3", "--custom-generate-function-path", f"{PROGRAMS}:two_turns")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "rollouts.jsonl")]
+    consumed = [row for row in rows if row["event"] == "trained"]
+    observation = len(build_char_tokenizer().encode(" obs ", add_special_tokens=False))
+    assert len(consumed) == 8 * 3
+    for row in consumed:
+        assert row["trajectory"] == {"turns": 2, "tool_calls": 0, "tool_errors": 0, "policy_tokens": 6,
+                                     "environment_failure": None}
+        assert row["response_tokens"] == 6 + observation
+        assert row["versions"][3:3 + observation] == [NOT_SAMPLED] * observation  # the observation
+        assert row["lag"] == row["consumed_at_version"] - min(v for v in row["versions"] if v != NOT_SAMPLED)
+    metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["rollout"]["agent_turns_mean"] for m in metrics] == [2.0] * 3
+    assert account(str(tmp_path))["problems"] == []
+
+
+def test_a_run_whose_environment_always_fails_stops_with_the_reason(tmp_path):
+    r = _launch(tmp_path, "--train-iters", "2", "--custom-generate-function-path", f"{PROGRAMS}:environment_down",
+                "--max-consecutive-environment-failures", "8")
+    assert r.returncode != 0
+    assert re.search(r"the environment failed on the last (\d+) samples in a row \(--max-consecutive-environment-"
+                     r"failures 8\); last failure: environment-failure: the tool server is unreachable",
+                     r.stdout + r.stderr), r.stderr[-3000:]
