@@ -1,12 +1,14 @@
 """Math answer equivalence (the LlamaRL paper's "sympy score"), built on math-verify.
 
-Extraction takes the final answer of a response, in this order: the last \\boxed{...} (or \\fbox{...}), the
-text after the last "####", the text after the last "answer is", and the last number. math-verify (sympy
-underneath) then compares it with the reference: fractions vs decimals, sets, intervals, radicals, pi,
-equivalent algebraic forms. A response with several boxes is read by math-verify itself, which takes them
-together as a set ("\\boxed{3}, \\boxed{4}" is {3, 4}): hedging between candidates is not the last one's answer.
-A reference that is prose ("Paris", "the red one") is compared as text, ignoring case, spacing and
-punctuation: math-verify would read it as a product of symbols, in which word order does not count.
+Extraction takes the final answer a response marks: the last \\boxed{...} (or \\fbox{...}), else the text
+after the last "####". A response that marks none is read by math-verify's own extraction (its "final answer
+is" anchors, then the last LaTeX or expression: inequalities, matrices and decimal commas read as meant, where
+the last number in the text would not). math-verify (sympy underneath) then compares the answer with the
+reference: fractions vs decimals, sets, intervals, radicals, pi, equivalent algebraic forms. A response with
+several boxes is read by math-verify itself, which takes them together as a set ("\\boxed{3}, \\boxed{4}" is
+{3, 4}): hedging between candidates is not the last one's answer. A reference that is prose ("Paris", "the red
+one") is compared as text, ignoring case, spacing and punctuation: math-verify would read it as a product of
+symbols, in which word order does not count.
 
 Statuses (`rewards.types`): "scored" (reward 1.0 or 0.0), "wrong-format" (no final answer could be extracted
 or parsed: reward 0.0, the policy's fault), "bad-input" (the label is None or not text: excluded), "timeout" and
@@ -27,8 +29,6 @@ from megatron_rl.rewards.workers import PooledReward, TimeLimitExceeded, time_li
 
 # ---- extraction --------------------------------------------------------------------------------------------------
 
-# ASCII digits only: int() also reads full-width and Arabic-Indic digits, which math-verify does not.
-_NUMBER = re.compile(r"-?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:/[0-9]+)?|-?\.[0-9]+")
 _BOX = re.compile(r"\\(?:boxed|fbox)\{")
 
 
@@ -47,27 +47,32 @@ def boxes(text: str) -> list[str | None]:
     return out
 
 
-def extract_answer(text: str | None) -> str | None:
-    """The final answer of a response, or None if it has none."""
-    if not text or not text.strip():
-        return None
+def marked_answer(text: str) -> str | None:
+    """The answer a response marks: its last box, else the line after its last "####" (GSM8K's marker, which
+    math-verify does not know). "" when the marker is there but empty or unbalanced (a malformed answer, not a
+    cue to look elsewhere); None when the response marks no answer, and math-verify's own extraction reads it."""
     boxed = boxes(text)
     if boxed:
-        # A box is the answer; an empty or unbalanced box is a malformed answer, not a cue to look elsewhere.
-        return boxed[-1] or None
+        return boxed[-1] or ""
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().splitlines()
-        return tail[0].strip() if tail and tail[0].strip() else None
+        return tail[0].strip() if tail else ""
+    return None
+
+
+def prose_answer(text: str) -> str:
+    """The answer of a response to a prose reference: its last box, else what follows its last "answer is" up
+    to the end of the sentence, else its last line."""
+    boxed = boxes(text)
+    if boxed:
+        return boxed[-1] or ""
     match = list(re.finditer(r"answer is[:\s]*", text, flags=re.IGNORECASE))
-    if match:
-        tail = text[match[-1].end():].strip()
-        if tail.startswith("$"):
-            answer = tail[1:].split("$", 1)[0]
-        else:  # up to the end of the sentence: a period followed by a space or the end, or a new line
-            answer = re.split(r"\.(?:\s|$)|\n", tail, maxsplit=1)[0]
-        return answer.strip() or None
-    numbers = _NUMBER.findall(text)
-    return numbers[-1].replace(",", "") if numbers else None
+    if not match:
+        return text.strip().splitlines()[-1]
+    tail = text[match[-1].end():].strip()
+    if tail.startswith("$"):
+        return tail[1:].split("$", 1)[0].strip()
+    return re.split(r"\.(?:\s|$)|\n", tail, maxsplit=1)[0].strip()
 
 
 # ---- inputs and the verdicts decided without sympy ------------------------------------------------------------------
@@ -100,23 +105,25 @@ def normalize_text(text: str) -> str:
     return " ".join(re.sub(r"[\W_]+", " ", text).split())
 
 
-_INTEGER = re.compile(r"-?[0-9]{1,100}")  # ASCII digits only, as _NUMBER
+_INTEGER = re.compile(r"-?[0-9]{1,100}")  # ASCII digits only: int() also reads full-width and Arabic-Indic digits
 
 
 def quick_verdict(response: str, reference: str) -> RewardResult | None:
-    """The verdict without a worker when no symbolic check is needed: a response with no final answer, a prose
-    reference, or an integer answer to an integer reference (exactly what math-verify would decide, at no IPC
-    or parsing cost); None when the pair needs math-verify."""
-    extracted = extract_answer(response)
-    if extracted is None:
-        return RewardResult(0.0, "wrong-format", None, "no final answer found")
+    """The verdict without a worker when no symbolic check is needed: an empty response or a malformed marked
+    answer, a prose reference, or a marked integer answer to an integer reference (exactly what math-verify
+    would decide, at no IPC or parsing cost); None when the pair needs math-verify."""
+    if not response.strip():
+        return RewardResult(0.0, "wrong-format", None, "empty response")
     boxed = boxes(response)
     if is_prose(reference):
-        answers = boxed if len(boxed) > 1 else [extracted]
+        answers = boxed if len(boxed) > 1 else [prose_answer(response)]
         correct = {normalize_text(a or "") for a in answers} == {normalize_text(reference)}
-        return RewardResult(float(correct), "scored", extracted)
-    if len(boxed) <= 1 and _INTEGER.fullmatch(extracted) and _INTEGER.fullmatch(reference.strip()):
-        return RewardResult(1.0 if int(extracted) == int(reference) else 0.0, "scored", extracted)
+        return RewardResult(float(correct), "scored", answers[-1])
+    marked = marked_answer(response)
+    if marked == "":
+        return RewardResult(0.0, "wrong-format", None, "empty or unbalanced final answer")
+    if marked is not None and len(boxed) <= 1 and _INTEGER.fullmatch(marked) and _INTEGER.fullmatch(reference.strip()):
+        return RewardResult(1.0 if int(marked) == int(reference) else 0.0, "scored", marked)
     return None
 
 
@@ -131,25 +138,27 @@ def verdict(response: str, reference: str, timeout_s: int) -> RewardResult:
     """Score one pair with math-verify in the current process (a worker's main thread: the time limit needs it)."""
     from math_verify import parse, verify
 
-    extracted = extract_answer(response)
-    if extracted is None:
-        return RewardResult(0.0, "wrong-format", None, "no final answer found")
+    marked = marked_answer(response)
+    if marked == "":
+        return RewardResult(0.0, "wrong-format", None, "empty or unbalanced final answer")
     try:
         with time_limit(timeout_s):
             gold = parse(_as_math(reference), parsing_timeout=None)
             if not gold:
-                return RewardResult(0.0, "scorer-failure", extracted, f"reference {reference!r} cannot be parsed")
-            if len(boxes(response)) > 1:  # math-verify's own reading of several boxes: a set of their answers
+                return RewardResult(0.0, "scorer-failure", marked, f"reference {reference!r} cannot be parsed")
+            if marked is None or len(boxes(response)) > 1:
+                # math-verify's own reading of the response: its final LaTeX or expression, or its boxes as a set
                 pred = parse(response, parsing_timeout=None)
-                extracted = str(pred[-1]) if pred else extracted
+                extracted = str(pred[-1]) if pred else None
             else:
-                pred = parse(_as_math(extracted), parsing_timeout=None)
+                pred, extracted = parse(_as_math(marked), parsing_timeout=None), marked
             if not pred:
-                return RewardResult(0.0, "wrong-format", extracted, "final answer cannot be parsed")
+                return RewardResult(0.0, "wrong-format", extracted, "no final answer found" if extracted is None
+                                    else "final answer cannot be parsed")
             ok = verify(gold, pred, timeout_seconds=None)
         return RewardResult(1.0 if ok else 0.0, "scored", extracted)
     except TimeLimitExceeded:
-        return RewardResult(0.0, "timeout", extracted, f"no verdict within {timeout_s} s")
+        return RewardResult(0.0, "timeout", marked, f"no verdict within {timeout_s} s")
 
 
 def _warmup() -> None:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from helpers import ROOT
 
-from megatron_rl.rewards import MathScorer, RewardResult, RewardSample, build_reward_fn, combine, extract_answer
+from megatron_rl.rewards import MathScorer, RewardResult, RewardSample, build_reward_fn, combine, marked_answer
 from megatron_rl.rewards.rules import format_reward
 from megatron_rl.rewards.workers import WorkerPool
 
@@ -89,11 +89,11 @@ def test_non_ascii_digits_never_take_the_integer_shortcut():
     from megatron_rl.rewards.math import quick_verdict
 
     assert quick_verdict("\\boxed{７}", "7") is None and quick_verdict("\\boxed{٧}", "7") is None
-    assert extract_answer("so the total is ١٢") is None
+    assert marked_answer("so the total is ١٢") is None
 
 
-INTEGER_PAIRS = [("The answer is 42.", "42"), ("\\boxed{007}", "7"), ("\\boxed{-0}", "0"), ("so 12", "012"),
-                 ("\\boxed{5}", "-5"), ("7 + 5 = 12", "12"), ("3", "4")]
+INTEGER_PAIRS = [("#### 42", "42"), ("\\boxed{007}", "7"), ("\\boxed{-0}", "0"), ("so #### 12", "012"),
+                 ("\\boxed{5}", "-5"), ("7 + 5 = \\boxed{12}", "12"), ("#### 3", "4")]
 
 
 def test_integer_fast_path_gives_math_verify_verdicts_without_a_worker():
@@ -108,9 +108,27 @@ def test_integer_fast_path_gives_math_verify_verdicts_without_a_worker():
     assert quick_verdict("\\boxed{\\frac{1}{2}}", "0.5") is None  # needs the symbolic check
     assert quick_verdict("\\boxed{" + "9" * 200 + "}", "1") is None  # no fast path for huge numbers
     assert quick_verdict("\\boxed{3}, \\boxed{4}", "4") is None  # several boxes: math-verify reads them as a set
+    assert quick_verdict("so the total is 12", "12") is None  # no marked answer: math-verify's extraction reads it
 
 
-PROSE = [("The answer is Paris.", "Paris", 1.0), ("\\boxed{\\text{paris}}", "Paris", 1.0),
+# Responses that mark no answer, read by math-verify's own extraction: the last number in the text would misjudge
+# every one of them (3, the set {3, 5}, 4, 3).
+UNMARKED = [("So we get $x > 3$.", "x > 3", 1.0), ("So we get $x > 3$.", "x < 3", 0.0),
+            ("The answer is 3,5.", "3.5", 1.0),
+            ("The matrix is $\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}$.", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", 1.0),
+            ("The final answer is $\\frac{1}{2}$. I used 3 steps.", "0.5", 1.0), ("The answer is 42.", "42", 1.0),
+            ("so 7 apples and 12 pears", "12", 1.0), ("so 7 apples and 12 pears", "7", 0.0)]
+
+
+def test_unmarked_answers_are_read_by_math_verify(scorer):
+    from math_verify import parse, verify
+
+    for (response, reference, expected), result in zip(UNMARKED, scorer(samples(UNMARKED))):
+        assert result.status == "scored" and result.reward == expected, (response, reference, result)
+        assert expected == float(verify(parse(f"${reference}$"), parse(response))), (response, reference)
+
+
+PROSE = [("The answer is Paris.", "Paris", 1.0), ("I think so.\nParis", "Paris", 1.0), ("\\boxed{\\text{paris}}", "Paris", 1.0),
          ("\\boxed{the  Red one}", "the red one.", 1.0), ("\\boxed{one red the}", "the red one", 0.0),
          ("\\boxed{London}", "Paris", 0.0), ("\\boxed{Paris}, \\boxed{London}", "\\text{Paris}", 0.0),
          ("\\boxed{Paris}", "Paris, France", 0.0)]
@@ -276,13 +294,15 @@ def test_unparseable_reference_is_an_infrastructure_failure_not_a_zero(scorer):
 
 
 def test_extraction_order():
-    assert extract_answer("we get 3, so \\boxed{5} and then 7") == "5"
-    assert extract_answer("steps 1 2 3\n#### 42\nextra 9") == "42"
-    assert extract_answer("So the answer is 8. Check: 9") == "8"
-    assert extract_answer("The answer is $x+1$, as shown.") == "x+1"
-    assert extract_answer("The answer is 3.5.") == "3.5"
-    assert extract_answer("numbers 1, 2 and 3.5") == "3.5"
-    assert extract_answer("no digits here") is None
+    from megatron_rl.rewards.math import prose_answer
+
+    assert marked_answer("we get 3, so \\boxed{5} and then 7") == "5"
+    assert marked_answer("steps 1 2 3\n#### 42\nextra 9") == "42"
+    assert marked_answer("\\boxed{1} then \\boxed{}") == "" and marked_answer("#### ") == ""
+    assert marked_answer("So the answer is 8. Check: 9") is None  # math-verify's own anchors read this one
+    assert prose_answer("So the answer is Paris. Check: London") == "Paris"
+    assert prose_answer("The answer is $Paris$, as shown.") == "Paris"
+    assert prose_answer("hmm\nParis\n") == "Paris"
 
 
 def test_rule_terms_compose_and_never_hide_failures():
