@@ -314,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="your reward function instead of --reward-fn: called with one RewardSample (prompt, "
                         "response, label, metadata, finish_reason), it returns a float, a dict with 'reward', or "
                         "a RewardResult; it runs in the reward worker processes under --reward-timeout")
+    g.add_argument("--rm-url", metavar="URL",
+                   help="a reward server instead of --reward-fn: each sample is POSTed as JSON (prompt, response, "
+                        "label, metadata, finish_reason), the answer is a number or an object with 'reward'; "
+                        "--reward-timeout per request")
+    g.add_argument("--rm-retries", type=int, default=2,
+                   help="--rm-url: tries again after a connection error, a timeout, HTTP 5xx or 429")
+    g.add_argument("--rm-max-concurrency", type=int, default=32, help="--rm-url: requests in flight at once")
     g.add_argument("--reward-num-workers", type=int, default=2)
     g.add_argument("--reward-timeout", type=int, default=5, help="seconds per verdict (whole seconds)")
     g.add_argument("--max-consecutive-reward-failures", type=int, default=256,

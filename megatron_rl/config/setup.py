@@ -186,6 +186,7 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     from megatron_rl.data.readers import file_format
     from megatron_rl.ddma import validate_plan
     from megatron_rl.rewards.registry import reward_factory
+    from megatron_rl.rewards.remote import check_url
     from megatron_rl.rollout import ENGINE_BACKENDS, rollout_program
 
     rl_checkpoint.resume_or_start(args, clean=not getattr(args, "dry_run", False))
@@ -209,7 +210,10 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of the data-parallel size "
                          f"{trainer.data_parallel_size} x --micro-batch-size {args.micro_batch_size} (or use "
                          "--use-dynamic-batch-size)")
-    reward_factory(args.reward_fn, args.custom_rm_path)
+    if getattr(args, "rm_url", None):
+        check_url(args.rm_url)
+    else:
+        reward_factory(args.reward_fn, args.custom_rm_path)
     eval_files = (getattr(args, "eval_prompt_data", None) or [])[1::2]
     files = [("--prompt-data", args.prompt_data), ("--sft-data", getattr(args, "sft_data", None))]
     for flag, path in [(f, p) for f, p in files if p] + [("--eval-prompt-data", p) for p in eval_files]:

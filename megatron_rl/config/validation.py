@@ -112,6 +112,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     validate_reward_shaping(args, parser)
     validate_agent(args, parser)
+    validate_remote_reward(args, parser)
     if args.rollout_temperature <= 0:
         parser.error(f"--rollout-temperature must be > 0 for RL sampling, got {args.rollout_temperature}")
     for backend in ENGINE_BACKENDS.values():  # each refuses its own flags when another backend was chosen
@@ -174,6 +175,16 @@ def validate_agent(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             parser.error(f"{flag} must be >= 1, got {value}")
     if args.tool_timeout <= 0:
         parser.error(f"--tool-timeout must be > 0, got {args.tool_timeout}")
+
+
+def validate_remote_reward(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--rm-url replaces --custom-rm-path; its options in range."""
+    if args.rm_url and args.custom_rm_path:
+        parser.error("--rm-url and --custom-rm-path both give the reward function: pass one")
+    if args.rm_retries < 0:
+        parser.error(f"--rm-retries must be >= 0, got {args.rm_retries}")
+    if args.rm_max_concurrency < 1:
+        parser.error(f"--rm-max-concurrency must be >= 1, got {args.rm_max_concurrency}")
 
 
 def validate_reward_shaping(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -1,9 +1,10 @@
-"""The reward functions by name: the registry behind --reward-fn, and --custom-rm-path, which replaces it.
+"""The reward functions by name: the registry behind --reward-fn, and --custom-rm-path or --rm-url, which
+replace it.
 
 An entry builds a reward function from the run's reward options (worker processes, timeout); a reward function
 maps a list of `RewardSample`s to one `RewardResult` per sample, and may have a `close()` that the run calls at
-the end. Users plug in their own per-sample function with --custom-rm-path (`rewards.custom`), or add an entry
-here.
+the end. Users plug in their own per-sample function with --custom-rm-path (`rewards.custom`), a reward server
+with --rm-url (`rewards.remote`), or add an entry here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 from megatron_rl.rewards.custom import CustomReward, load, resolve
 from megatron_rl.rewards.math import MathScorer
+from megatron_rl.rewards.remote import RemoteReward
 from megatron_rl.rewards.rules import combine, format_reward
 from megatron_rl.rewards.types import RewardResult, RewardSample
 
@@ -24,8 +26,12 @@ REWARD_FUNCTIONS: dict[str, Callable[[int, int], RewardFn]] = {  # (num_workers,
 
 
 def build_reward_fn(name: str = "math", num_workers: int = 2, timeout_s: int = 5,
-                    custom_rm_path: str | None = None) -> RewardFn:
-    """--custom-rm-path's function when given, else the registered --reward-fn `name` (math, math+format)."""
+                    custom_rm_path: str | None = None, rm_url: str | None = None, rm_retries: int = 2,
+                    rm_max_concurrency: int = 32) -> RewardFn:
+    """--custom-rm-path's function or --rm-url's server when given, else the registered --reward-fn `name`
+    (math, math+format)."""
+    if rm_url is not None:
+        return RemoteReward(rm_url, timeout_s, rm_retries, rm_max_concurrency)
     return reward_factory(name, custom_rm_path)(num_workers, timeout_s)
 
 

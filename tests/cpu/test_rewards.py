@@ -507,3 +507,38 @@ def test_isolated_failures_are_counted_and_a_scorer_failing_on_every_item_stops_
     assert failures.counts == {"timeout": 2, "scorer-failure": 2} and failures.streak == 1
     with pytest.raises(RuntimeError, match="failed on the last 4 samples in a row.*scorer-failure: crashed"):
         failures.check([timeout, timeout, crash])
+
+
+def test_a_reward_server_scores_and_its_failures_are_never_rewards(monkeypatch):
+    import socket
+
+    from reward_server import reward_server
+
+    from megatron_rl.rewards import remote
+
+    monkeypatch.setattr(remote, "RETRY_PAUSE_S", 0.01)
+    batch = [RewardSample("p", "so 12", "12", {"id": 1}), RewardSample("p", "so 13", "12")]
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/score"
+    with reward_server(flaky_failures=2) as server:
+        scored = remote.RemoteReward(server.url("/score"), timeout_s=5, retries=0)
+        assert scored(batch) == [RewardResult(1.0, "scored", None, "", {"length": 5}),
+                                 RewardResult(0.0, "scored", None, "", {"length": 5})]
+        assert server.requests["/score"][0] == {"prompt": "p", "response": "so 12", "label": "12",
+                                                "metadata": {"id": 1}, "finish_reason": "stop"}
+        # 503 twice, then an answer: the retries absorb it
+        assert [r.reward for r in remote.RemoteReward(server.url("/flaky"), 5, retries=2)(batch[:1])] == [1.0]
+        assert len(server.requests["/flaky"]) == 3
+        failures = {path: remote.RemoteReward(url, timeout_s=0.5, retries=1)(batch[:1])[0]
+                    for path, url in [("hang", server.url("/hang")), ("404", server.url("/missing")),
+                                      ("nan", server.url("/nan")), ("text", server.url("/text")), ("closed", closed)]}
+        assert len(server.requests["/hang"]) == 2 and len(server.requests["/missing"]) == 1  # 404: no retry
+    assert failures["hang"].status == "timeout" and "no answer within 0.5 s (2 tries)" in failures["hang"].detail
+    assert failures["404"].status == "scorer-failure" and "HTTP 404" in failures["404"].detail
+    assert failures["nan"].status == "scorer-failure" and "returned the reward nan" in failures["nan"].detail
+    assert failures["text"].status == "scorer-failure" and "not JSON" in failures["text"].detail
+    assert failures["closed"].status == "scorer-failure" and "ConnectError" in failures["closed"].detail
+    assert all(r.is_failure for r in failures.values())
+    with pytest.raises(ValueError, match="--rm-url 'localhost:8000': expected an http:// or https:// URL"):
+        remote.RemoteReward("localhost:8000")
