@@ -48,7 +48,8 @@ class GeneratorWorker:
         self.agents = None  # the leader's rollout programs (None: one engine request per sample)
         self.agentic = program is not None
         if self.agentic and roles.is_leader:
-            self.agents = AgentRunner(program, setup.tokenizer, self.args.seq_length, setup.spec.vocab_size)
+            self.agents = AgentRunner(program, setup.tokenizer, self.args.seq_length, setup.spec.vocab_size,
+                                      setup.stop_token_ids)
 
     def run(self) -> None:
         try:

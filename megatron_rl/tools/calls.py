@@ -16,13 +16,13 @@ import re
 
 from megatron_rl.tools.types import ToolCall
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The tool calls of one assistant turn, in order (none: the turn is a final answer)."""
     calls = []
-    for body in _CALL.findall(text):
+    for body in TOOL_CALL_BLOCK.findall(text):
         try:
             value = json.loads(body)
         except json.JSONDecodeError as e:

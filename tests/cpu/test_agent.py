@@ -1,10 +1,11 @@
 """Agent rollouts: trajectories of policy and tool tokens through the built-in engine across a weight update
 (against `transformers`), the tool loop on the chat template, the Python sandbox's limits, environment failures
-excluded and counted, and a launch with a rollout program from a file.
+excluded and counted, and a launch with a rollout program from a file, scored by a reward server (--rm-url).
 
 fp32; log-prob tolerance 1e-5 (the engine and transformers order their reductions differently, ~1e-7)."""
 
 import asyncio
+import collections
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import pytest
 import torch
 from helpers import ROOT, random_hf_weights
+from reward_server import reward_server
 
 from megatron_rl.controller.buffer import Rollout, RolloutBuffer
 from megatron_rl.controller.reward_failures import RewardFailures, environment_failures
@@ -212,6 +214,71 @@ def test_the_tool_loop_trains_exactly_the_chat_templates_rendering(chat_tokenize
     assert out.trajectory["response"] == answer and out.finish_reason == "stop"
 
 
+def test_an_openai_client_drives_a_tool_conversation_through_the_endpoint(chat_tokenizer):
+    """A real `openai` client (an agent written against the OpenAI API) talks to a session of the endpoint: the
+    tool call comes back as OpenAI tool_calls, the agent runs the tool itself and sends the result; the session's
+    trajectory is the chat template's rendering of the conversation, with exactly the policy's turns sampled."""
+    import openai
+
+    from megatron_rl.rollout.agent.openai_server import OpenAIEndpoint
+
+    tok = chat_tokenizer
+    call, answer = format_tool_call("calculator", {"expression": "12*34+56"}), "\\boxed{464}"
+    policy = ScriptedPolicy(tok, [call, answer, "9", "10", "11"])
+    tools = built_in_tools(["calculator"])
+    chat = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "12*34+56=?"}]
+
+    async def agent():
+        endpoint = OpenAIEndpoint(tok, [tok.eos_token_id])
+        client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=100, seed=1), tok, 4096, 300,
+                                  endpoint)
+        session, other = await client.openai_session(), await client.openai_session()
+        try:
+            api = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+            first = (await api.chat.completions.create(model="policy", messages=chat, tools=tools)).choices[0]
+            tool_call = first.message.tool_calls[0]
+            result = await ToolSet(tools, SandboxLimits(2, 512), "built-in").call(
+                ToolCall(tool_call.function.name, json.loads(tool_call.function.arguments)))
+            messages = [*chat, first.message.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": tool_call.id, "content": result.text}]
+            second = (await api.chat.completions.create(model="policy", messages=messages)).choices[0]
+            with pytest.raises(openai.AuthenticationError):
+                await openai.AsyncOpenAI(base_url=session.base_url, api_key="wrong", max_retries=0).models.list()
+            other_api = openai.AsyncOpenAI(base_url=other.base_url, api_key=session.api_key, max_retries=0)
+            await other_api.chat.completions.create(model="policy", messages=chat)
+            edited = [*chat, {"role": "assistant", "content": "I know it"}, {"role": "user", "content": "go on"}]
+            with pytest.raises(openai.BadRequestError, match="message 2 \\(assistant\\) is not the session's"):
+                await other_api.chat.completions.create(model="policy", messages=edited)
+            with pytest.raises(EnvironmentFailure, match="refused a request of the agent"):
+                other.trajectory  # noqa: B018 - the property raises
+            completion = await client.openai_session()
+            capi = openai.AsyncOpenAI(base_url=completion.base_url, api_key=session.api_key, max_retries=0)
+            one = await capi.completions.create(model="policy", prompt=[1, 2, 3])
+            ids = completion.trajectory.token_ids
+            two = await capi.completions.create(model="policy", prompt=[*ids, 7, 8], max_tokens=1)
+            return first, second, session.trajectory, (one, two, completion.trajectory), messages
+        finally:
+            await endpoint.stop()
+
+    first, second, trajectory, (one, two, completed), messages = asyncio.run(agent())
+    assert first.finish_reason == "tool_calls" and first.message.content is None
+    assert first.message.tool_calls[0].function.name == "calculator"
+    assert messages[-1]["content"] == "464"  # the agent ran the tool
+    assert second.finish_reason == "stop" and second.message.content == answer
+    conversation = [*chat, {"role": "assistant", "content": call}, {"role": "tool", "content": "464"},
+                    {"role": "assistant", "content": answer}]
+    rendered = tok.apply_chat_template(conversation, tools=tools, tokenize=True, return_dict=False)
+    assert trajectory.token_ids == rendered[:len(trajectory.token_ids)]
+    out = trajectory.to_output("q#0")
+    sampled = [t for t, m in zip(out.token_ids, out.loss_mask) if m]
+    assert tok.decode(sampled) == call + "<|im_end|>" + answer + "<|im_end|>"
+    assert out.trajectory["response"] == answer and out.trajectory["turns"] == 2
+    # completions: the prompt's tokens beyond the session's are appended as given, not sampled
+    assert one.choices[0].text == "10" and two.choices[0].finish_reason == "length"
+    assert completed.token_ids[:3] == [1, 2, 3] and completed.token_ids[-3:-1] == [7, 8]
+    assert completed.to_output("c").loss_mask[-3:] == [False, False, True]
+
+
 def test_tool_errors_are_observations_and_the_limits_end_the_trajectory(chat_tokenizer):
     tok = chat_tokenizer
     bad = ["<tool_call>{not json</tool_call>", format_tool_call("calculator", {"expr": "1"}),
@@ -321,25 +388,33 @@ LAUNCH = ["--global-batch-size", "8", "--micro-batch-size", "8", "--n-samples-pe
           "--rollout-max-response-len", "16", "--max-staleness", "1"]
 
 
-def _launch(out_dir, *flags):
+def _launch(out_dir, *flags, env=None):
     from megatron_rl.runtime.spawn import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "megatron_rl.train", *LAUNCH, "--output-dir", str(out_dir), *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def test_a_rollout_program_from_a_file_trains_its_trajectories(tmp_path):
+def test_a_rollout_program_from_a_file_trains_its_trajectories_scored_by_a_reward_server(tmp_path):
     from megatron_rl.data.tokenizer import build_char_tokenizer
     from megatron_rl.observability.accounting import account
 
-    r = _launch(tmp_path, "--train-iters", "3", "--custom-generate-function-path", f"{PROGRAMS}:two_turns")
+    with reward_server() as server:  # the rewards come from a reward server (--rm-url)
+        r = _launch(tmp_path, "--train-iters", "3", "--custom-generate-function-path", f"{PROGRAMS}:two_turns",
+                    "--rm-url", server.url("/score"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "rollouts.jsonl")]
     consumed = [row for row in rows if row["event"] == "trained"]
     observation = len(build_char_tokenizer().encode(" obs ", add_special_tokens=False))
     assert len(consumed) == 8 * 3
+    asked = server.requests["/score"]
+    assert all(body["metadata"]["program"] == "two_turns" and " obs " in body["response"] for body in asked)
+    served = collections.Counter(float(str(body["label"]) in body["response"]) for body in asked)
+    assert collections.Counter(row["reward"] for row in consumed) <= served
     for row in consumed:
+        assert row["reward_status"] == "scored"  # the math reward would find no answer in these responses
         assert row["trajectory"] == {"turns": 2, "tool_calls": 0, "tool_errors": 0, "policy_tokens": 6,
                                      "environment_failure": None}
         assert row["response_tokens"] == 6 + observation
@@ -357,3 +432,23 @@ def test_a_run_whose_environment_always_fails_stops_with_the_reason(tmp_path):
     assert re.search(r"the environment failed on the last (\d+) samples in a row \(--max-consecutive-environment-"
                      r"failures 8\); last failure: environment-failure: the tool server is unreachable",
                      r.stdout + r.stderr), r.stderr[-3000:]
+
+
+@pytest.mark.slow  # two launches (about 60 s here)
+def test_trajectories_in_flight_at_a_crash_are_generated_again_and_trained_once(tmp_path):
+    from megatron_rl.observability.accounting import account
+    from megatron_rl.runtime import failpoints
+
+    ckpt = tmp_path / "ckpt"
+    flags = ("--train-iters", "4", "--custom-generate-function-path", f"{PROGRAMS}:two_turns", "--save", str(ckpt),
+             "--load", str(ckpt), "--save-interval", "2")
+    killed = _launch(tmp_path, *flags, env={failpoints.ENV: "checkpoint-saved:2"})
+    assert killed.returncode != 0 and (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    r = _launch(tmp_path, *flags)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = account(str(tmp_path))
+    assert report["problems"] == [] and report["samples_generated_again"] > 0, report
+    rows = [json.loads(line) for line in open(tmp_path / "rollouts.jsonl")]
+    trained = collections.Counter((row["prompt_id"], row["sample_index"]) for row in rows if row["event"] == "trained")
+    assert len(trained) == 8 * 4 and set(trained.values()) == {1}
+    assert all(row["trajectory"]["turns"] == 2 for row in rows if row["event"] == "trained")

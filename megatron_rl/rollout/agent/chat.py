@@ -42,8 +42,14 @@ class ToolTurns:
     def observation_tokens(self, contents: list[str]) -> list[int]:
         """The tokens after an assistant turn's end token: the tool messages `contents` (one turn of results, in
         call order) and the next assistant turn's generation prompt."""
-        full = self._render(_BASE + [{"role": "tool", "content": c} for c in contents], True)
+        return self.turn_tokens([{"role": "tool", "content": c} for c in contents])
+
+    def turn_tokens(self, messages: list[dict]) -> list[int]:
+        """The tokens after an assistant turn's end token: `messages` (tool results, a user's turn: none of them
+        the policy's) and the next assistant turn's generation prompt."""
+        full = self._render(_BASE + messages, True)
         if full[:len(self._base)] != self._base:
-            raise ValueError("the chat template renders a conversation differently once a tool message follows "
-                             "(it is not prefix-stable for tool turns): tool turns cannot be appended exactly")
+            roles = sorted({m.get("role") for m in messages})
+            raise ValueError(f"the chat template renders a conversation differently once a {'/'.join(roles)} "
+                             "message follows (it is not prefix-stable there): the turn cannot be appended exactly")
         return self._after_turn + full[len(self._base):]

@@ -30,10 +30,22 @@ class AgentSample:
 
 class GenerationClient:
     def __init__(self, submit: Callable[[str, list[int], SamplingParams], Awaitable[RolloutOutput]], request_id: str,
-                 sampling_params: SamplingParams, tokenizer, max_context: int, response_budget: int):
+                 sampling_params: SamplingParams, tokenizer, max_context: int, response_budget: int,
+                 endpoint=None):
+        """`endpoint`: the generator's `OpenAIEndpoint`, for `openai_session`."""
         self.sampling_params, self.tokenizer = sampling_params, tokenizer
         self.max_context, self.response_budget = max_context, response_budget
         self._submit, self._request_id, self._calls = submit, request_id, 0
+        self._endpoint, self.sessions = endpoint, []
+
+    async def openai_session(self):
+        """A session of the OpenAI-compatible endpoint whose calls are this sample's policy calls: give its
+        `base_url` and `api_key` to an OpenAI client, and return its `trajectory` (`openai_server`)."""
+        if self._endpoint is None:
+            raise EnvironmentFailure("this generator has no OpenAI endpoint")
+        session = await self._endpoint.open(self)
+        self.sessions.append(session)
+        return session
 
     async def generate(self, token_ids: list[int], **overrides) -> Generation:
         """The policy's continuation of `token_ids`; `overrides`: `SamplingParams` fields for this call. Stops at

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable
 
 from megatron_rl.rollout.agent.client import AgentSample, GenerationClient
+from megatron_rl.rollout.agent.openai_server import OpenAIEndpoint
 from megatron_rl.rollout.agent.trajectory import Trajectory
 from megatron_rl.rollout.types import RolloutOutput, SamplingParams
 from megatron_rl.tools import EnvironmentFailure
@@ -24,9 +25,11 @@ Program = Callable[[AgentSample, GenerationClient], Awaitable[Trajectory]]
 
 
 class AgentRunner:
-    def __init__(self, program: Program, tokenizer, max_context: int, vocab_size: int):
-        """`max_context`: the most tokens a trajectory may have (--seq-length)."""
+    def __init__(self, program: Program, tokenizer, max_context: int, vocab_size: int, end_of_turn_ids=()):
+        """`max_context`: the most tokens a trajectory may have (--seq-length); `end_of_turn_ids`: the run's stop
+        tokens (the OpenAI endpoint's turns end with them)."""
         self.program, self.tokenizer = program, tokenizer
+        self.endpoint = OpenAIEndpoint(tokenizer, end_of_turn_ids)  # its server starts with the first session
         self.max_context, self.vocab_size = max_context, vocab_size
         self.active = 0  # programs started and not yet taken back
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (request id, token ids, SamplingParams)
@@ -70,6 +73,7 @@ class AgentRunner:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.endpoint.stop()
 
         if self._loop.is_running():
             asyncio.run_coroutine_threadsafe(cancel(), self._loop).result(timeout=30)
@@ -88,7 +92,8 @@ class AgentRunner:
 
     async def _trajectory(self, sample: AgentSample, params: SamplingParams) -> RolloutOutput:
         budget = params.max_new_tokens
-        client = GenerationClient(self._submit, sample.request_id, params, self.tokenizer, self.max_context, budget)
+        client = GenerationClient(self._submit, sample.request_id, params, self.tokenizer, self.max_context, budget,
+                                  self.endpoint)
         try:
             trajectory = await self.program(sample, client)
             failure = self._check(trajectory, budget)
@@ -96,6 +101,9 @@ class AgentRunner:
             failure, trajectory = str(e), None
         except Exception as e:  # noqa: BLE001 - the program is the environment: its bug excludes the sample
             failure, trajectory = f"the rollout program raised {type(e).__name__}: {e}", None
+        finally:
+            for session in client.sessions:  # a late call of the agent finds no session
+                self.endpoint.close(session)
         if trajectory is None or failure and not isinstance(trajectory, Trajectory):
             trajectory = Trajectory(list(sample.prompt_token_ids))
         return trajectory.to_output(sample.request_id, failure)
