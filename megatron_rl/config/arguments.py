@@ -18,6 +18,7 @@ from megatron_rl.algorithms.losses import add_loss_arguments
 from megatron_rl.config.validation import validate
 from megatron_rl.models.parallelism import KERNEL_FUSIONS, MOE_TOKEN_DISPATCHERS, TRANSFORMER_IMPLS
 from megatron_rl.rewards.registry import REWARD_FUNCTIONS
+from megatron_rl.rewards.verdicts import DEFAULT_TEMPLATE, DEFAULT_VERDICT
 from megatron_rl.rollout import ENGINE_BACKENDS, ROLLOUT_FUNCTIONS, collect_server_flags
 from megatron_rl.runtime.early_exit import SIGNALS
 
@@ -321,6 +322,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rm-retries", type=int, default=2,
                    help="--rm-url: tries again after a connection error, a timeout, HTTP 5xx or 429")
     g.add_argument("--rm-max-concurrency", type=int, default=32, help="--rm-url: requests in flight at once")
+    g.add_argument("--judge-model", metavar="HF_DIR",
+                   help="an LLM judge instead of --reward-fn: this checkpoint, served by an SGLang server of its own "
+                        "that the run launches (and restarts), reads each response and gives the verdict")
+    g.add_argument("--judge-tensor-parallel-size", type=int, default=1, help="--judge-model: its server's TP size")
+    g.add_argument("--judge-base-gpu-id", type=int,
+                   help="--judge-model on GPUs: the first of its GPUs on the controller's node, outside the run's "
+                        "ranks (required there)")
+    g.add_argument("--judge-prompt-template", default=DEFAULT_TEMPLATE,
+                   help="--judge-model: what the judge reads, with {prompt}, {response} and {label} (rendered with "
+                        "its chat template when it has one)")
+    g.add_argument("--judge-verdict-pattern", default=DEFAULT_VERDICT,
+                   help="--judge-model: a regular expression; its first group in its last match in the judge's "
+                        "answer is the verdict, a number or yes/no, correct/incorrect, true/false, pass/fail")
+    g.add_argument("--judge-max-new-tokens", type=int, default=64, help="--judge-model: the longest answer")
+    g.add_argument("--judge-max-restarts", type=int, default=3,
+                   help="--judge-model: restarts of a dead judge server; past them its samples are scorer failures")
     g.add_argument("--reward-num-workers", type=int, default=2)
     g.add_argument("--reward-timeout", type=int, default=5, help="seconds per verdict (whole seconds)")
     g.add_argument("--max-consecutive-reward-failures", type=int, default=256,

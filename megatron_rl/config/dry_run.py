@@ -32,7 +32,7 @@ def dry_run(args, world_size: int) -> dict:
 
     # No file is needed: the architecture comes from --load-hf's config.json if it is here, else from --model; the
     # tokenizer from --tokenizer if it is here, else the character tokenizer stands in; --prompt-data and --ref-load
-    # are checked if they are here.
+    # are checked if they are here, and so are --tool-config and --judge-model.
     args = copy.copy(args)
     if args.load_hf and not os.path.isfile(os.path.join(args.load_hf, "config.json")):
         args.load_hf = None
@@ -45,8 +45,14 @@ def dry_run(args, world_size: int) -> dict:
                              for x in (name, path)] or None
     if args.ref_load and not os.path.isdir(args.ref_load):
         args.ref_load = None
+    if args.tool_config and not os.path.isfile(args.tool_config):
+        args.tool_config = None
+    if args.judge_model and not os.path.isfile(os.path.join(args.judge_model, "config.json")):
+        args.judge_model = None
     if args.tokenizer and not os.path.isdir(args.tokenizer):
         args.tokenizer = None
+        if args.rollout_function == "multi-turn":  # its tool turns need the tokenizer's own chat template
+            args.rollout_function = "single-turn"
     tokenizer = None if args.tokenizer else build_char_tokenizer()
     setup = build_run_setup(args, world_size, tokenizer=tokenizer)
     spec, trainer, generator = setup.spec, setup.trainer, setup.generator

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import zlib
@@ -212,6 +213,12 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
                          "--use-dynamic-batch-size)")
     if getattr(args, "rm_url", None):
         check_url(args.rm_url)
+    elif getattr(args, "judge_model", None):
+        if importlib.util.find_spec("sglang") is None:
+            raise RuntimeError("--judge-model: the judge is served by SGLang, which is not installed in this "
+                               "environment (docs/sglang.md)")
+        if not os.path.isfile(os.path.join(args.judge_model, "config.json")):
+            raise ValueError(f"--judge-model {args.judge_model!r}: no config.json there (an HF model directory)")
     else:
         reward_factory(args.reward_fn, args.custom_rm_path)
     eval_files = (getattr(args, "eval_prompt_data", None) or [])[1::2]

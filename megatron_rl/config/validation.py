@@ -10,6 +10,7 @@ import re
 
 from megatron_rl.algorithms import AlgorithmConfig
 from megatron_rl.rewards.shaping import OverlongPenalty
+from megatron_rl.rewards.verdicts import check_template, check_verdict_pattern
 from megatron_rl.rollout import ENGINE_BACKENDS
 
 
@@ -178,9 +179,24 @@ def validate_agent(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 
 def validate_remote_reward(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """--rm-url replaces --custom-rm-path; its options in range."""
-    if args.rm_url and args.custom_rm_path:
-        parser.error("--rm-url and --custom-rm-path both give the reward function: pass one")
+    """One of --custom-rm-path, --rm-url and --judge-model; their options in range, the judge's template and
+    verdict pattern usable."""
+    given = [f for f, v in (("--custom-rm-path", args.custom_rm_path), ("--rm-url", args.rm_url),
+                            ("--judge-model", args.judge_model)) if v]
+    if len(given) > 1:
+        parser.error(f"{' and '.join(given)} each give the reward function: pass one")
+    if args.judge_model:
+        try:
+            check_template(args.judge_prompt_template)
+            check_verdict_pattern(args.judge_verdict_pattern)
+        except ValueError as e:
+            parser.error(str(e))
+        for flag in ("--judge-tensor-parallel-size", "--judge-max-new-tokens"):
+            value = getattr(args, flag.lstrip("-").replace("-", "_"))
+            if value < 1:
+                parser.error(f"{flag} must be >= 1, got {value}")
+        if args.judge_max_restarts < 0:
+            parser.error(f"--judge-max-restarts must be >= 0, got {args.judge_max_restarts}")
     if args.rm_retries < 0:
         parser.error(f"--rm-retries must be >= 0, got {args.rm_retries}")
     if args.rm_max_concurrency < 1:

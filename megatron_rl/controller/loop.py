@@ -66,8 +66,14 @@ class Controller:
         self.trainer, self.control, self.leaders = trainer, control, leaders
         self.source = PromptSource(args)
         self.buffer = RolloutBuffer(args.n_samples_per_prompt, args.max_staleness, not args.keep_uniform_groups)
-        self.reward_fn = build_reward_fn(args.reward_fn, args.reward_num_workers, args.reward_timeout,
-                                         args.custom_rm_path, args.rm_url, args.rm_retries, args.rm_max_concurrency)
+        if args.judge_model:
+            from megatron_rl.rollout.sglang.judge import build_judge
+
+            self.reward_fn = build_judge(args)
+        else:
+            self.reward_fn = build_reward_fn(args.reward_fn, args.reward_num_workers, args.reward_timeout,
+                                             args.custom_rm_path, args.rm_url, args.rm_retries,
+                                             args.rm_max_concurrency)
         self.stop_token_ids = setup.stop_token_ids
         self.agentic = args.rollout_function != "single-turn" or bool(args.custom_generate_function_path)
         shaping = OverlongPenalty(args.rollout_max_response_len, args.overlong_buffer_len,

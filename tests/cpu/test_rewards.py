@@ -542,3 +542,30 @@ def test_a_reward_server_scores_and_its_failures_are_never_rewards(monkeypatch):
     assert all(r.is_failure for r in failures.values())
     with pytest.raises(ValueError, match="--rm-url 'localhost:8000': expected an http:// or https:// URL"):
         remote.RemoteReward("localhost:8000")
+
+
+def test_a_judges_verdict_is_its_patterns_last_match_and_bad_judge_flags_are_named(capsys):
+    import re
+
+    from megatron_rl.config.arguments import parse_args
+    from megatron_rl.rewards.verdicts import DEFAULT_VERDICT, check_template, parse_verdict
+
+    default = re.compile(DEFAULT_VERDICT)
+    assert parse_verdict("NO at first... on reflection YES", default) == 1.0
+    assert parse_verdict("YES, or rather NO.", default) == 0.0
+    assert parse_verdict("I cannot tell", default) is None
+    score = re.compile(r"score: (\S+)")
+    assert parse_verdict("score: 3 then score: 0.75", score) == 0.75
+    assert parse_verdict("score: nan", score) is None and parse_verdict("score: Correct", score) == 1.0
+    assert check_template("{prompt} {response} {label}") == "{prompt} {response} {label}"
+    for flags, message in [
+        (["--judge-model", "j", "--rm-url", "http://h:1/s"], "--rm-url and --judge-model each give the reward"),
+        (["--judge-model", "j", "--judge-prompt-template", "grade {answer}"], "may name only"),
+        (["--judge-model", "j", "--judge-prompt-template", "grade {prompt}"], "must contain {response}"),
+        (["--judge-model", "j", "--judge-verdict-pattern", "YES|NO"], "needs a group"),
+        (["--judge-model", "j", "--judge-verdict-pattern", "(YES"], "not a regular expression"),
+        (["--rm-url", "http://h:1/s", "--rm-retries", "-1"], "--rm-retries must be >= 0"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(flags)
+        assert message in capsys.readouterr().err, flags
