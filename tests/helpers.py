@@ -47,3 +47,42 @@ def mismatched_generator_tensors(engine, spec: ModelSpec, hf: dict[str, torch.Te
         if not ok:
             mismatched.append(name)
     return mismatched
+
+
+def policy_turns(turns: int, tokens: int, observation: list[int]):
+    """A rollout program: `turns` policy calls of `tokens` tokens each, `observation` (not the policy's) between
+    them."""
+    from megatron_rl.rollout.agent import Trajectory
+
+    async def program(sample, client):
+        trajectory = Trajectory(list(sample.prompt_token_ids))
+        for turn in range(turns):
+            if turn:
+                trajectory.add_observation(observation)
+            await client.sample(trajectory, max_new_tokens=tokens, ignore_eos=True)
+        return trajectory
+
+    return program
+
+
+def drive_agents(engine, runner, samples, params, update, when) -> list:
+    """What the generator worker does with an `AgentRunner`: policy calls into the engine, outputs back, until
+    every program finished; `update()` (a weight update with its pause) once, as soon as `when(engine steps so
+    far)` is true. The programs' outputs, in finishing order."""
+    for sample in samples:
+        runner.start(sample, params)
+    finished, steps, updated = [], 0, False
+    while len(finished) < len(samples):
+        for rid, prompt, call_params in runner.take_calls():
+            engine.add_request(prompt, call_params, rid)
+        if engine.has_work():
+            runner.resolve(engine.step())
+            steps += 1
+        else:
+            runner.wait(1.0)
+        if not updated and when(steps):
+            update()
+            updated = True
+        finished += runner.take_finished()
+    assert updated, "the programs finished before the update"
+    return finished

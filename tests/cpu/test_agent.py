@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, random_hf_weights
+from helpers import ROOT, drive_agents, policy_turns, random_hf_weights
 from reward_server import reward_server
 
 from megatron_rl.controller.buffer import Rollout, RolloutBuffer
@@ -53,37 +53,6 @@ OBSERVATION = [20, 21, 22]
 
 # ---- a trajectory through the engine ------------------------------------------------------------------------------
 
-async def three_turns(sample, client):
-    trajectory = Trajectory(list(sample.prompt_token_ids))
-    for turn in range(3):
-        if turn:
-            trajectory.add_observation(OBSERVATION)
-        await client.sample(trajectory, max_new_tokens=4, ignore_eos=True)
-    return trajectory
-
-
-def _drive(engine, runner, samples, update):
-    """What the generator worker does with a runner: policy calls into the engine, outputs back, until every
-    program finished; `update()` once after the engine's 6th step (calls in flight are retracted and resume)."""
-    for sample in samples:
-        runner.start(sample, SamplingParams(temperature=1.0, max_new_tokens=64, seed=7))
-    finished, steps = [], 0
-    while len(finished) < len(samples):
-        for rid, prompt, params in runner.take_calls():
-            engine.add_request(prompt, params, rid)
-        if engine.has_work():
-            runner.resolve(engine.step())
-            steps += 1
-            if steps == 6:
-                engine.pause("retract")
-                update()
-                engine.continue_generation()
-        else:
-            runner.wait(1.0)
-        finished += runner.take_finished()
-    return finished
-
-
 def test_a_trajectory_through_the_engine_across_a_weight_update(tmp_path):
     import transformers
 
@@ -94,16 +63,20 @@ def test_a_trajectory_through_the_engine_across_a_weight_update(tmp_path):
     engine = LocalEngine.from_hf(str(tmp_path / "old"), max_slots=8)
 
     def update():
+        engine.pause("retract")
         engine.begin_weight_update()
         engine.load_weights([(name, weight_map.assemble(lay, weight_map.slicer(new_weights)))
                              for name, lay in weight_map.sglang_shards(LLAMA, 1, 0).items()])
         engine.end_weight_update(version=1)
+        engine.continue_generation()
 
-    runner = AgentRunner(three_turns, tokenizer=None, max_context=128, vocab_size=LLAMA.vocab_size)
+    runner = AgentRunner(policy_turns(3, 4, OBSERVATION), tokenizer=None, max_context=128,
+                         vocab_size=LLAMA.vocab_size)
     prompts = [[1, 5, 7, 9], [3, 4], [10, 11, 12]]
     samples = [AgentSample(f"p{i}#0", None, p, "", {}) for i, p in enumerate(prompts)]
-    try:
-        outputs = _drive(engine, runner, samples, update)
+    try:  # the update after the engine's 6th step: calls in flight are retracted and resume under it
+        outputs = drive_agents(engine, runner, samples, SamplingParams(temperature=1.0, max_new_tokens=64, seed=7),
+                               update, when=lambda steps: steps == 6)
     finally:
         runner.shutdown()
     assert sorted(o.request_id for o in outputs) == ["p0#0", "p1#0", "p2#0"]
@@ -295,8 +268,8 @@ def test_tool_errors_are_observations_and_the_limits_end_the_trajectory(chat_tok
     trajectory, _ = _run_loop(tok, _loop(tok, max_observation_tokens=10), [long, "ok"])
     assert "(244 more tokens)" in tok.decode(trajectory.segments[1].token_ids)
     # the response budget: a tool turn that does not fit ends the trajectory as truncated
-    trajectory, _ = _run_loop(tok, _loop(tok), [format_tool_call("calculator", {"expression": "2"})], budget=75)
-    assert trajectory.finish_reason == "length" and trajectory.turns == 1 and trajectory.num_response_tokens <= 75
+    trajectory, _ = _run_loop(tok, _loop(tok), [format_tool_call("calculator", {"expression": "2"})], budget=40)
+    assert trajectory.finish_reason == "length" and trajectory.turns == 1 and trajectory.num_response_tokens <= 40
 
 
 def test_tool_calls_parse_in_the_hermes_format():

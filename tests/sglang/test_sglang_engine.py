@@ -1,7 +1,7 @@
 """SGLangEngine against a real SGLang server (TP=1) and the built-in engine on the same checkpoint: the
 same greedy tokens and log-probs, the same log-prob convention for sampled tokens, partial rollouts that
 resume under new weights (retracted, or paused in place) with per-token versions, clear errors for a
-mismatched, unreachable or dead server."""
+mismatched, unreachable or dead server, and agent trajectories of several policy calls across an update."""
 
 import concurrent.futures as cf
 import json
@@ -13,9 +13,11 @@ import pytest
 import requests
 import torch
 from conftest import SPEC
+from helpers import drive_agents, policy_turns
 
 from megatron_rl.models import weight_map
 from megatron_rl.models.safetensors_io import HFCheckpoint
+from megatron_rl.rollout.agent import AgentRunner, AgentSample
 from megatron_rl.rollout.local.engine import LocalEngine
 from megatron_rl.rollout.sglang.engine import (
     IN_PLACE_SERVER_FLAGS,
@@ -24,7 +26,7 @@ from megatron_rl.rollout.sglang.engine import (
     start_replica_engine,
 )
 from megatron_rl.rollout.sglang.server import SGLangServer, SGLangServerError
-from megatron_rl.rollout.types import LOGPROB_CONVENTION, SamplingParams
+from megatron_rl.rollout.types import LOGPROB_CONVENTION, NOT_SAMPLED, SamplingParams
 from megatron_rl.runtime.spawn import free_port
 
 PROMPTS = [[1, 5, 9, 13], [2, 40, 41, 42, 43, 44, 45], [3, 100]]
@@ -241,3 +243,38 @@ def test_a_server_that_keeps_dying_stops_with_its_log(model_a, tmp_path):
         assert time.monotonic() - start < 30
     finally:
         engine.shutdown()
+
+
+OBSERVATION = [20, 21, 22]
+
+
+def test_a_multi_turn_trajectory_through_sglang_across_a_weight_update(engine, model_a, model_b):
+    """Agent programs on the SGLang engine, as the generator worker runs them: the policy calls go to the server,
+    a weight update (model A as version 2, over model B as version 1) comes while they run; every policy token's
+    log-prob is its version's model's, teacher-forced on exactly the trajectory before it."""
+    _swap_weights(engine, model_b, "retract", version=1)
+    runner = AgentRunner(policy_turns(3, 40, OBSERVATION), tokenizer=None, max_context=2048,
+                         vocab_size=SPEC.vocab_size)
+    samples = [AgentSample(f"p{i}#0", None, p, "", {}) for i, p in enumerate(PROMPTS)]
+    in_second_turn = lambda steps: any(rid.endswith("@1") for rid, _, _ in engine._pending.values())  # noqa: E731
+    try:
+        finished = drive_agents(engine, runner, samples, SamplingParams(temperature=1.0, max_new_tokens=200, seed=7),
+                                lambda: _swap_weights(engine, model_a, "retract", version=2), when=in_second_turn)
+    finally:
+        runner.shutdown()
+    models = {1: reference(model_b), 2: reference(model_a)}
+    crossed = 0
+    for out in finished:
+        policy = [True] * 40
+        assert out.loss_mask == policy + [False] * 3 + policy + [False] * 3 + policy
+        assert all(v == NOT_SAMPLED for v, m in zip(out.versions, out.loss_mask) if not m)
+        versions = out.policy_versions
+        assert versions == sorted(versions) and set(versions) <= {1, 2}
+        crossed += len(set(versions)) == 2
+        # each model's log-prob of every token given all before it (position p scores token p + 1)
+        scores = {v: models[v].score(out.prompt_token_ids + out.token_ids, 1.0) for v in set(versions)}
+        start = len(out.prompt_token_ids)
+        got = [lp for lp, m in zip(out.logprobs, out.loss_mask) if m]
+        want = [scores[v][start + j - 1] for j, (v, m) in enumerate(zip(out.versions, out.loss_mask)) if m]
+        torch.testing.assert_close(torch.tensor(got), torch.stack(want), atol=ATOL, rtol=0)
+    assert crossed  # the update came in the middle of a trajectory
