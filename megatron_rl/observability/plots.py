@@ -1,9 +1,11 @@
 """Reward and accuracy curves from metrics.jsonl, against wall time, as a PNG.
 
-    python -m megatron_rl.observability.plots RUN_DIR [--baseline SYNC_RUN_DIR] [--out PNG]
+    python -m megatron_rl.observability.plots RUN_DIR [--baseline BASELINE_RUN_DIR] [--out PNG]
+        [--label NAME --baseline-label NAME]
 
 With a baseline it also says when the run first reached the baseline's final held-out accuracy, as a fraction of
-the baseline's RL wall time (RUN_DIR/compare_baseline.json).
+the baseline's RL wall time (RUN_DIR/compare_baseline.json). Runs with agent rollouts get a fourth panel: tool
+calls per trajectory.
 """
 
 from __future__ import annotations
@@ -50,12 +52,17 @@ def plot(runs: dict[str, str], out: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    steps = {label: [r for r in read_metrics(run_dir) if "rollout" in r]  # RL steps (evaluations have own rows)
+             for label, run_dir in runs.items()}
+    agentic = any("agent_tool_calls_mean" in r["rollout"] for rows in steps.values() for r in rows)
+    fig, axes = plt.subplots(1, 4 if agentic else 3, figsize=(21 if agentic else 16, 4))
     for label, run_dir in runs.items():
-        rows = [r for r in read_metrics(run_dir) if "rollout" in r]  # RL steps (evaluations have rows of their own)
+        rows = steps[label]
         t = [r["perf"]["time_s"] for r in rows]
         axes[0].plot(t, [r["rollout"]["reward_mean"] for r in rows], marker=".", label=label)
         axes[1].plot(t, [r["rollout"]["accuracy"] for r in rows], marker=".", label=label)
+        if agentic:
+            axes[3].plot(t, [r["rollout"].get("agent_tool_calls_mean", 0.0) for r in rows], marker=".", label=label)
         curve = held_out_curve(read_metrics(run_dir))
         axes[2].plot([c[0] for c in curve], [c[2] for c in curve], marker="o", label=label)
         eval_path = os.path.join(run_dir, "eval.json")
@@ -67,7 +74,7 @@ def plot(runs: dict[str, str], out: str) -> str:
             axes[1].axhline(after, linestyle="--", linewidth=1, color=axes[1].lines[-1].get_color(),
                             label=f"{label}: held-out after RL")
     titles = ("reward (mean over sampled rollouts)", "accuracy (sampled; dashed: held-out greedy)",
-              "held-out accuracy (greedy) at each evaluation")
+              "held-out accuracy (greedy) at each evaluation", "tool calls per trajectory (sampled)")
     for ax, title in zip(axes, titles):
         ax.set_xlabel("wall time of RL (s)")
         ax.set_title(title)
@@ -81,14 +88,18 @@ def plot(runs: dict[str, str], out: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
-    p.add_argument("--baseline", help="a synchronous run to draw beside it")
+    p.add_argument("--baseline", help="a run to draw beside it (the synchronous baseline, say)")
     p.add_argument("--out", help="default: RUN_DIR/reward_curve.png")
+    p.add_argument("--label", default="async (AIPO)", help="the run's name in the legend")
+    p.add_argument("--baseline-label", default="sync baseline", help="the baseline's name in the legend")
+    p.add_argument("--plot-only", action="store_true",
+                   help="draw the baseline without the time-to-reach comparison (a baseline of another task setup)")
     args = p.parse_args(argv)
-    runs = {"async (AIPO)": args.run_dir}
+    runs = {args.label: args.run_dir}
     if args.baseline:
-        runs["sync baseline"] = args.baseline
+        runs[args.baseline_label] = args.baseline
     print(plot(runs, args.out or os.path.join(args.run_dir, "reward_curve.png")))
-    if args.baseline:
+    if args.baseline and not args.plot_only:
         result = time_to_reach(args.run_dir, args.baseline)
         with open(os.path.join(args.run_dir, "compare_baseline.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -7,8 +7,9 @@ writes DIR/train.jsonl and DIR/eval.jsonl (disjoint, distinct problems as chat r
 demonstrations per training problem: the tool call, then the answer after the tool's result, in the chat format
 the multi-turn rollout renders), DIR/sft_direct.jsonl (the answer without the tool, for the baseline without it),
 DIR/tools.json (the calculator's declaration) and DIR/tokenizer/: a character tokenizer with the chat tokens
-(<|im_start|>, <|im_end|>, <tool_call>, <tool_response> and their ends as single tokens) and a Qwen-style
-chat template whose tool turn is `<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>\\n`.
+(<|im_start|>, <|im_end|>, <tool_call>, <tool_response> and their ends, the role names and the tool call's
+keys as single tokens) and a Qwen-style chat template whose tool turn is
+`<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>\\n`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# Whole words for the chat roles and the tool call's JSON keys, as a BPE vocabulary would have them: a tool call
+# is then about 30 tokens, not 75.
+WORDS = ["system", "user", "assistant", "name", "arguments", "calculator", "expression", "\\boxed"]
 CHARS = "0123456789+-*/=().,^ " + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" + "\\{}#:$\"_\n?!'[]"
 SYSTEM_PROMPT = "Use the calculator."
 
@@ -66,7 +70,7 @@ def records(seed: int, split: str, count: int) -> list[dict]:
 
 
 def answer_text(answer: str) -> str:
-    return f"The answer is \\boxed{{{answer}}}."
+    return f"\\boxed{{{answer}}}"
 
 
 def tool_demonstrations(record: dict) -> list[dict]:
@@ -86,7 +90,7 @@ def build_tokenizer():
 
     tok = build_char_tokenizer(CHARS)
     tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": CHAT_TOKENS})
-    tok.add_tokens(TOOL_TOKENS)  # not "special": decoding keeps them, so the tool calls can be parsed
+    tok.add_tokens(TOOL_TOKENS + WORDS)  # not "special": decoding keeps them, so the tool calls can be parsed
     tok.chat_template = CHAT_TEMPLATE
     return tok
 

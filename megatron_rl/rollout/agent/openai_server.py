@@ -152,6 +152,8 @@ class OpenAISession:
     def _limits(self, body: dict) -> dict:
         if body.get("n", 1) != 1:
             raise RequestError("'n' must be 1: each sample of a group is a session of its own")
+        if body.get("stream"):
+            raise RequestError("'stream' is not supported: each call answers whole")
         if body.get("stop"):
             raise RequestError("'stop' strings are not supported: the run's stop tokens end a turn")
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
