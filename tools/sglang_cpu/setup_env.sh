@@ -15,7 +15,7 @@ SGLANG_VERSION=0.5.23
 TORCH_VERSION=2.13.0
 
 if [[ -f "$stamp" ]] && [[ "$(cat "$stamp")" == "sglang==$SGLANG_VERSION torch==$TORCH_VERSION" ]]; then
-    "$venv/bin/pip" install -q --no-deps -e "$repo"   # the project's own code may have moved
+    "$venv/bin/pip" install -q -e "$repo"   # the project's own code may have moved, or gained a dependency
     echo "SGLang CPU environment ready (reused): $venv"
     exit 0
 fi

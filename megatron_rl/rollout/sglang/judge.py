@@ -82,7 +82,7 @@ class SGLangJudge:
         answer = self.tokenizer.decode(response["output_ids"], skip_special_tokens=True)
         reward = parse_verdict(answer, self.pattern)
         if reward is None:
-            return RewardResult(0.0, "scorer-failure", None,
+            return RewardResult(0.0, "scorer-failure", answer[-200:],
                                 f"no verdict ({self.pattern.pattern}) in the judge's answer {answer[-200:]!r}")
         return RewardResult(reward, "scored", answer[-200:])
 
