@@ -398,6 +398,7 @@ def test_a_rollout_program_from_a_file_trains_its_trajectories_scored_by_a_rewar
     assert account(str(tmp_path))["problems"] == []
 
 
+@pytest.mark.slow  # a launch (about 10 s); the failure rule itself is tested above without one
 def test_a_run_whose_environment_always_fails_stops_with_the_reason(tmp_path):
     r = _launch(tmp_path, "--train-iters", "2", "--custom-generate-function-path", f"{PROGRAMS}:environment_down",
                 "--max-consecutive-environment-failures", "8")

@@ -144,8 +144,9 @@ def test_a_parquet_cursor_resumes_exactly(tmp_path):
     ({"question": {"text": "q"}, "solution": "1"},
      r"d.jsonl:2: field 'question' must be a string or a list of messages, got dict"),
     ({"question": [], "solution": "1"}, r"d.jsonl:2: field 'question': the message list is empty"),
-    ({"question": [{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}], "solution": "1"},
-     r"d.jsonl:2: field 'question'\[1\]\.role: must be one of \['system', 'user', 'assistant'\], got 'tool'"),
+    ({"question": [{"role": "user", "content": "q"}, {"role": "robot", "content": "x"}], "solution": "1"},
+     r"d.jsonl:2: field 'question'\[1\]\.role: must be one of \['system', 'user', 'assistant', 'tool'\], "
+     r"got 'robot'"),
     ({"question": [{"role": "user"}], "solution": "1"},
      r"d.jsonl:2: field 'question'\[0\]\.content: must be a string, got NoneType"),
     ({"question": ["hi"], "solution": "1"}, r"d.jsonl:2: field 'question'\[0\]: a message must be an object"),

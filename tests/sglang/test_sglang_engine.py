@@ -253,7 +253,7 @@ def test_a_multi_turn_trajectory_through_sglang_across_a_weight_update(engine, m
     a weight update (model A as version 2, over model B as version 1) comes while they run; every policy token's
     log-prob is its version's model's, teacher-forced on exactly the trajectory before it."""
     _swap_weights(engine, model_b, "retract", version=1)
-    runner = AgentRunner(policy_turns(3, 40, OBSERVATION), tokenizer=None, max_context=2048,
+    runner = AgentRunner(policy_turns(3, 16, OBSERVATION), tokenizer=None, max_context=2048,
                          vocab_size=SPEC.vocab_size)
     samples = [AgentSample(f"p{i}#0", None, p, "", {}) for i, p in enumerate(PROMPTS)]
     in_second_turn = lambda steps: any(rid.endswith("@1") for rid, _, _ in engine._pending.values())  # noqa: E731
@@ -265,7 +265,7 @@ def test_a_multi_turn_trajectory_through_sglang_across_a_weight_update(engine, m
     models = {1: reference(model_b), 2: reference(model_a)}
     crossed = 0
     for out in finished:
-        policy = [True] * 40
+        policy = [True] * 16
         assert out.loss_mask == policy + [False] * 3 + policy + [False] * 3 + policy
         assert all(v == NOT_SAMPLED for v, m in zip(out.versions, out.loss_mask) if not m)
         versions = out.policy_versions
