@@ -11,7 +11,7 @@ import re
 from megatron_rl.algorithms import AlgorithmConfig
 from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rewards.verdicts import check_template, check_verdict_pattern
-from megatron_rl.rollout import ENGINE_BACKENDS
+from megatron_rl.rollout import ENGINE_BACKENDS, uses_agents
 
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -166,7 +166,7 @@ def validate_agent(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                                                                       args.max_tokens_per_turn)) if v is not None]
         if given:
             parser.error(f"{', '.join(given)} need(s) --rollout-function multi-turn")
-    if (multi_turn or args.custom_generate_function_path) and args.use_rollout_routing_replay:
+    if uses_agents(args) and args.use_rollout_routing_replay:
         parser.error("--use-rollout-routing-replay records the routes of one policy call per rollout; agent "
                      "rollouts (--rollout-function multi-turn, --custom-generate-function-path) do not carry them")
     for flag in ("--max-turns", "--max-tokens-per-turn", "--max-observation-len", "--sandbox-memory-mb",

@@ -49,6 +49,7 @@ from megatron_rl.observability.metrics import (
 )
 from megatron_rl.rewards import build_reward_fn
 from megatron_rl.rewards.shaping import OverlongPenalty
+from megatron_rl.rollout import uses_agents
 from megatron_rl.rollout.types import RequestMeta
 from megatron_rl.runtime.early_exit import EarlyExit
 from megatron_rl.runtime.keep_alive import KeepAlive
@@ -75,7 +76,7 @@ class Controller:
                                              args.custom_rm_path, args.rm_url, args.rm_retries,
                                              args.rm_max_concurrency)
         self.stop_token_ids = setup.stop_token_ids
-        self.agentic = args.rollout_function != "single-turn" or bool(args.custom_generate_function_path)
+        self.agentic = uses_agents(args)
         shaping = OverlongPenalty(args.rollout_max_response_len, args.overlong_buffer_len,
                                   args.overlong_penalty_factor) if args.overlong_penalty else None
         self.stage = RewardStage(rollouts, self.tokenizer, self.reward_fn, len(leaders), self.stop_token_ids, shaping)

@@ -9,38 +9,34 @@ from __future__ import annotations
 
 from collections import Counter
 
-from megatron_rl.rewards.types import RewardResult
+from megatron_rl.rewards.types import EXCLUDED_STATUSES, RewardResult
 
 ENVIRONMENT = ("environment-failure",)
+REWARD = tuple(s for s in EXCLUDED_STATUSES if s not in ENVIRONMENT)  # the reward could not be computed
 
 
 class RewardFailures:
-    def __init__(self, limit: int, statuses: tuple[str, ...] | None = None,
+    def __init__(self, limit: int, counted: tuple[str, ...] = REWARD, ignored: tuple[str, ...] = ENVIRONMENT,
                  what: str = "the reward function failed on", flag: str = "--max-consecutive-reward-failures"):
-        """Counts the results of `statuses` (default: every excluded status but the environment's)."""
-        self.limit, self.statuses, self.what, self.flag = limit, statuses, what, flag
+        """Counts the results of the `counted` statuses; a result of the `ignored` ones neither counts nor breaks
+        the streak (a failed trajectory has no verdict), any other breaks it."""
+        self.limit, self.counted, self.ignored, self.what, self.flag = limit, counted, ignored, what, flag
         self.counts: Counter = Counter()  # cumulative, by status
         self.streak = 0
         self.last: RewardResult | None = None
 
-    def _counted(self, result: RewardResult) -> bool:
-        if self.statuses is None:
-            return result.is_failure and result.status not in ENVIRONMENT
-        return result.status in self.statuses
-
     def check(self, results: list[RewardResult]) -> None:
         for result in results:
-            if self._counted(result):
+            if result.status in self.counted:
                 self.counts[result.status] += 1
                 self.streak += 1
                 self.last = result
-            elif not (self.statuses is None and result.status in ENVIRONMENT):
-                self.streak = 0  # (a failed trajectory has no verdict: it neither counts nor breaks the streak)
+            elif result.status not in self.ignored:
+                self.streak = 0
         if self.streak >= self.limit:
             raise RuntimeError(f"{self.what} the last {self.streak} samples in a row ({self.flag} {self.limit}); "
                                f"last failure: {self.last.status}: {self.last.detail}")
 
 
 def environment_failures(limit: int) -> RewardFailures:
-    return RewardFailures(limit, ENVIRONMENT, "the environment failed on",
-                          "--max-consecutive-environment-failures")
+    return RewardFailures(limit, ENVIRONMENT, (), "the environment failed on", "--max-consecutive-environment-failures")

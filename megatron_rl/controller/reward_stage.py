@@ -10,12 +10,11 @@ penalty) adjusts RL rollouts' rewards by their length; evaluation rewards stay a
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import queue
 import threading
 import time
 
+from megatron_rl.rewards.custom import as_result
 from megatron_rl.rewards.shaping import OverlongPenalty
 from megatron_rl.rewards.types import RewardResult, RewardSample
 from megatron_rl.rollout.types import RequestMeta, RolloutOutput
@@ -73,12 +72,8 @@ class RewardStage:
             trajectory = output.trajectory or {}
             if trajectory.get("environment_failure"):
                 results[i] = RewardResult(0.0, "environment-failure", None, trajectory["environment_failure"])
-            elif trajectory.get("reward") is not None:
-                reward = trajectory["reward"]
-                results[i] = RewardResult(float(reward), "scored") if isinstance(reward, numbers.Real) and \
-                    math.isfinite(reward) else RewardResult(0.0, "scorer-failure", None,
-                                                            f"the rollout program's reward {reward!r} is not a "
-                                                            "finite number")
+            elif trajectory.get("reward") is not None:  # checked as a --custom-rm-path function's return value
+                results[i] = as_result(trajectory["reward"], "of the rollout program")
         todo = [i for i, r in enumerate(results) if r is None]
         if todo:
             for i, result in zip(todo, self.reward_fn([self.sample(*rollouts[i]) for i in todo])):

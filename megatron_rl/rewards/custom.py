@@ -16,21 +16,12 @@ import functools
 import json
 import math
 import numbers
-from collections.abc import Callable
 
 from megatron_rl.rewards.types import STATUSES, RewardResult, RewardSample
 from megatron_rl.rewards.workers import PooledReward, TimeLimitExceeded, time_limit
 from megatron_rl.runtime import plugins
 
 FLAG = "--custom-rm-path"
-
-
-def resolve(spec: str) -> str:
-    return plugins.resolve(spec, FLAG)
-
-
-def load(spec: str) -> Callable[[RewardSample], object]:
-    return plugins.load(spec, FLAG)
 
 
 def as_result(value, spec: str) -> RewardResult:
@@ -63,7 +54,7 @@ def as_result(value, spec: str) -> RewardResult:
 
 def score(spec: str, sample: RewardSample, timeout_s: int) -> RewardResult:
     """One sample's reward (runs inside a worker process)."""
-    fn = load(spec)
+    fn = plugins.load(spec, FLAG)
     try:
         with time_limit(timeout_s):
             value = fn(sample)
@@ -74,9 +65,9 @@ def score(spec: str, sample: RewardSample, timeout_s: int) -> RewardResult:
 
 class CustomReward(PooledReward):
     def __init__(self, spec: str, num_workers: int = 2, timeout_s: int = 5):
-        self.spec = resolve(spec)
-        load(self.spec)  # fails here, in the parent, before any worker starts
-        super().__init__(num_workers, timeout_s, warmup=functools.partial(load, self.spec))
+        self.spec = plugins.resolve(spec, FLAG)
+        plugins.load(self.spec, FLAG)  # fails here, in the parent, before any worker starts
+        super().__init__(num_workers, timeout_s, warmup=functools.partial(plugins.load, self.spec, FLAG))
 
     def __call__(self, samples: list[RewardSample], timeout_s: int | None = None) -> list[RewardResult]:
         timeout = self._timeout(timeout_s)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatron_rl.rewards.custom import CustomReward, load, resolve
+from megatron_rl.rewards.custom import FLAG, CustomReward
 from megatron_rl.rewards.math import MathScorer
 from megatron_rl.rewards.remote import RemoteReward
 from megatron_rl.rewards.rules import combine, format_reward
 from megatron_rl.rewards.types import RewardResult, RewardSample
+from megatron_rl.runtime import plugins
 
 RewardFn = Callable[[list[RewardSample]], list[RewardResult]]
 
@@ -39,8 +40,8 @@ def reward_factory(name: str, custom_rm_path: str | None = None) -> Callable[[in
     """What builds the run's reward function. Nothing is started, but a custom function is loaded: the run setup
     checks the flags with this, so that a missing file or function fails before any work."""
     if custom_rm_path is not None:
-        spec = resolve(custom_rm_path)
-        load(spec)
+        spec = plugins.resolve(custom_rm_path, FLAG)
+        plugins.load(spec, FLAG)
         return lambda workers, timeout: CustomReward(spec, workers, timeout)
     if name not in REWARD_FUNCTIONS:
         raise ValueError(f"--reward-fn {name!r}: not a registered name {sorted(REWARD_FUNCTIONS)} (a function of "

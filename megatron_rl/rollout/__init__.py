@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from megatron_rl.rollout import local, sglang
-from megatron_rl.rollout.agent import ROLLOUT_FUNCTIONS, rollout_program
+from megatron_rl.rollout.agent import ROLLOUT_FUNCTIONS, rollout_program, uses_agents
 from megatron_rl.rollout.local.engine import LocalEngine
 from megatron_rl.rollout.sglang import arguments as sglang_arguments
 from megatron_rl.rollout.sglang.arguments import collect_server_flags
@@ -87,7 +87,7 @@ class Backend:
 
 
 __all__ = ["ENGINE_BACKENDS", "LOGPROB_CONVENTION", "ROLLOUT_FUNCTIONS", "Backend", "Engine", "LocalEngine",
-           "RolloutOutput", "SamplingParams", "collect_server_flags", "rollout_program"]
+           "RolloutOutput", "SamplingParams", "collect_server_flags", "rollout_program", "uses_agents"]
 
 
 ENGINE_BACKENDS: dict[str, Backend] = {

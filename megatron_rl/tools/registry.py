@@ -24,11 +24,8 @@ from megatron_rl.tools import calculator, sandbox
 from megatron_rl.tools.types import EnvironmentFailure, ToolCall, ToolResult
 
 BUILT_IN = {"calculator": (calculator.SCHEMA, lambda limits: calculator.calculator),
-            "python": (sandbox.SCHEMA, lambda limits: functools.partial(_python, limits=limits))}
-
-
-async def _python(code: str, limits: sandbox.SandboxLimits) -> ToolResult:
-    return await sandbox.run_python(code, limits)
+            "python": (sandbox.SCHEMA, lambda limits: functools.partial(sandbox.run_python, limits=limits))}
+NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def load_tool_config(path: str) -> list[dict]:
@@ -56,7 +53,7 @@ def load_tool_config(path: str) -> list[dict]:
         if name in names:
             raise ValueError(f"{where}: two tools are named {name!r}")
         names.add(name)
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        parameters = function.get("parameters", NO_PARAMETERS)
         try:
             jsonschema.Draft202012Validator.check_schema(parameters)
         except jsonschema.SchemaError as e:
@@ -90,7 +87,7 @@ class ToolSet:
                                                                           f"{name!r}"), "--tool-config")
             else:
                 fn = BUILT_IN[name][1](limits)
-            parameters = tool["function"].get("parameters", {"type": "object", "properties": {}})
+            parameters = tool["function"].get("parameters", NO_PARAMETERS)
             self._tools[name] = _Tool(tool, jsonschema.Draft202012Validator(parameters), fn)
 
     @property

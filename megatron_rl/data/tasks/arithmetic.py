@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import itertools
 import random
+
+from megatron_rl.data.tasks.splits import split_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +34,7 @@ class ArithmeticTask:
             raise ValueError(f"operators must be a non-empty subset of '+-*', got {self.operators!r}")
 
     def _split_of(self, text: str) -> str:
-        h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
-        return "eval" if h % self.eval_every == 0 else "train"
+        return split_of(text, self.eval_every)
 
     def problem(self, index: int, split: str = "train") -> dict:
         """{"id", "prompt", "answer"} of problem `index` of `split` ("train" or "eval")."""

@@ -15,11 +15,11 @@ keys as single tokens) and a Qwen-style chat template whose tool turn is
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
 
+from megatron_rl.data.tasks.splits import distinct_records, write_jsonl
 from megatron_rl.tools import built_in_tools, format_tool_call
 
 CHAT_TEMPLATE = (
@@ -48,25 +48,9 @@ def problem(rng: random.Random) -> tuple[str, str]:
     return expression, str(eval(expression, {"__builtins__": {}}))  # noqa: S307 - digits and + - * only
 
 
-def _split_of(expression: str, eval_every: int = 20) -> str:
-    h = int.from_bytes(hashlib.sha256(expression.encode()).digest()[:8], "little")
-    return "eval" if h % eval_every == 0 else "train"
-
-
 def records(seed: int, split: str, count: int) -> list[dict]:
     """`count` distinct problems of `split` as chat records: the question, and the value as the answer."""
-    out, seen, index = [], set(), 0
-    while len(out) < count:
-        expression, answer = problem(random.Random(f"{seed}:{split}:{index}"))
-        index += 1
-        if index > 1000 * count:
-            raise ValueError(f"only {len(out)} distinct {split} problems exist; asked for {count}")
-        if _split_of(expression) != split or expression in seen:
-            continue
-        seen.add(expression)
-        out.append({"id": f"{split}-{len(out)}", "messages": [{"role": "user", "content": f"{expression}=?"}],
-                    "answer": answer})
-    return out
+    return distinct_records(problem, seed, split, count, question=lambda expression: f"{expression}=?")
 
 
 def answer_text(answer: str) -> str:
@@ -99,15 +83,12 @@ def write(out: str, train: int, eval_size: int, seed: int) -> None:
     os.makedirs(out, exist_ok=True)
     splits = {"train": records(seed, "train", train), "eval": records(seed, "eval", eval_size)}
     for name, rows in splits.items():
-        with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    with open(os.path.join(out, "sft_tool.jsonl"), "w") as f:
-        f.writelines(json.dumps(d) + "\n" for r in splits["train"] for d in tool_demonstrations(r))
-    with open(os.path.join(out, "sft_direct.jsonl"), "w") as f:
-        for r in splits["train"]:
-            chat = [{"role": "system", "content": "Answer."}, *r["messages"],
-                    {"role": "assistant", "content": answer_text(r["answer"])}]
-            f.write(json.dumps({"id": r["id"], "messages": chat, "answer": r["answer"]}) + "\n")
+        write_jsonl(os.path.join(out, f"{name}.jsonl"), rows)
+    write_jsonl(os.path.join(out, "sft_tool.jsonl"), [d for r in splits["train"] for d in tool_demonstrations(r)])
+    write_jsonl(os.path.join(out, "sft_direct.jsonl"), [
+        {"id": r["id"], "messages": [{"role": "system", "content": "Answer."}, *r["messages"],
+                                     {"role": "assistant", "content": answer_text(r["answer"])}], "answer": r["answer"]}
+        for r in splits["train"]])
     with open(os.path.join(out, "tools.json"), "w") as f:
         json.dump(built_in_tools(["calculator"]), f, indent=1)
     build_tokenizer().save_pretrained(os.path.join(out, "tokenizer"))

@@ -12,11 +12,11 @@ turn, for the supervised warm-up) and DIR/tokenizer/. Problems are pure function
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import random
 from fractions import Fraction
+
+from megatron_rl.data.tasks.splits import distinct_records, write_jsonl
 
 SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -47,25 +47,9 @@ def problem(rng: random.Random) -> tuple[str, str]:
             "a fraction."), latex(x + y)
 
 
-def _split_of(question: str, eval_every: int = 20) -> str:
-    h = int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "little")
-    return "eval" if h % eval_every == 0 else "train"
-
-
 def records(seed: int, split: str, count: int) -> list[dict]:
     """`count` distinct problems of `split`, as message-list records."""
-    out, seen, index = [], set(), 0
-    while len(out) < count:
-        question, answer = problem(random.Random(f"{seed}:{split}:{index}"))
-        index += 1
-        if _split_of(question) != split or question in seen:
-            continue
-        if index > 1000 * count:
-            raise ValueError(f"only {len(out)} distinct {split} problems exist; asked for {count}")
-        seen.add(question)
-        out.append({"id": f"{split}-{len(out)}", "messages": [{"role": "user", "content": question}],
-                    "answer": answer})
-    return out
+    return distinct_records(problem, seed, split, count)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 600):
@@ -95,12 +79,10 @@ def write(out: str, train: int, eval_size: int, seed: int) -> None:
     os.makedirs(out, exist_ok=True)
     splits = {"train": records(seed, "train", train), "eval": records(seed, "eval", eval_size)}
     for name, rows in splits.items():
-        with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    with open(os.path.join(out, "sft.jsonl"), "w") as f:
-        for r in splits["train"]:
-            messages = [*r["messages"], {"role": "assistant", "content": solution(r["answer"])}]
-            f.write(json.dumps({"id": r["id"], "messages": messages, "answer": r["answer"]}) + "\n")
+        write_jsonl(os.path.join(out, f"{name}.jsonl"), rows)
+    write_jsonl(os.path.join(out, "sft.jsonl"), [
+        {"id": r["id"], "messages": [*r["messages"], {"role": "assistant", "content": solution(r["answer"])}],
+         "answer": r["answer"]} for r in splits["train"]])
     texts = [SYSTEM_PROMPT] + [m["content"] for r in splits["train"] for m in r["messages"]] + \
         [solution(r["answer"]) for r in splits["train"]]
     train_tokenizer(texts).save_pretrained(os.path.join(out, "tokenizer"))

@@ -21,7 +21,12 @@ ROLLOUT_FUNCTIONS = ("single-turn", "multi-turn")
 GENERATE_FLAG = "--custom-generate-function-path"
 
 __all__ = ["AgentRunner", "AgentSample", "EnvironmentFailure", "Generation", "GenerationClient", "MultiTurn",
-           "Program", "ROLLOUT_FUNCTIONS", "Segment", "ToolTurns", "Trajectory", "rollout_program"]
+           "Program", "ROLLOUT_FUNCTIONS", "Segment", "ToolTurns", "Trajectory", "rollout_program", "uses_agents"]
+
+
+def uses_agents(args) -> bool:
+    """Whether the run's rollouts are agent programs (`rollout_program` is not None)."""
+    return bool(args.custom_generate_function_path) or args.rollout_function == "multi-turn"
 
 
 def rollout_program(args, tokenizer, stop_token_ids) -> Program | None:
