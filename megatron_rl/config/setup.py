@@ -187,7 +187,6 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
     from megatron_rl.data.readers import file_format
     from megatron_rl.ddma import validate_plan
     from megatron_rl.rewards.registry import reward_factory
-    from megatron_rl.rewards.remote import check_url
     from megatron_rl.rollout import ENGINE_BACKENDS, rollout_program
 
     rl_checkpoint.resume_or_start(args, clean=not getattr(args, "dry_run", False))
@@ -212,6 +211,8 @@ def build_run_setup(args, world_size: int, tokenizer=None) -> RunSetup:
                          f"{trainer.data_parallel_size} x --micro-batch-size {args.micro_batch_size} (or use "
                          "--use-dynamic-batch-size)")
     if getattr(args, "rm_url", None):
+        from megatron_rl.rewards.remote import check_url
+
         check_url(args.rm_url)
     elif getattr(args, "judge_model", None):
         if importlib.util.find_spec("sglang") is None:

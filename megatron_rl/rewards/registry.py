@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 from megatron_rl.rewards.custom import FLAG, CustomReward
 from megatron_rl.rewards.math import MathScorer
-from megatron_rl.rewards.remote import RemoteReward
 from megatron_rl.rewards.rules import combine, format_reward
 from megatron_rl.rewards.types import RewardResult, RewardSample
 from megatron_rl.runtime import plugins
@@ -32,6 +31,8 @@ def build_reward_fn(name: str = "math", num_workers: int = 2, timeout_s: int = 5
     """--custom-rm-path's function or --rm-url's server when given, else the registered --reward-fn `name`
     (math, math+format)."""
     if rm_url is not None:
+        from megatron_rl.rewards.remote import RemoteReward
+
         return RemoteReward(rm_url, timeout_s, rm_retries, rm_max_concurrency)
     return reward_factory(name, custom_rm_path)(num_workers, timeout_s)
 

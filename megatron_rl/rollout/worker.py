@@ -23,7 +23,7 @@ from megatron_rl.config.setup import RunSetup
 from megatron_rl.ddma.sync import publish
 from megatron_rl.ddma.transport import make_transport
 from megatron_rl.rollout import ENGINE_BACKENDS
-from megatron_rl.rollout.agent import AgentRunner, AgentSample, rollout_program
+from megatron_rl.rollout.agent import rollout_program
 from megatron_rl.rollout.types import RequestMeta, RolloutOutput, SamplingParams
 from megatron_rl.runtime import failpoints
 from megatron_rl.runtime.channels import TAG_CONTROL, TAG_ROLLOUTS, Channel
@@ -48,6 +48,8 @@ class GeneratorWorker:
         self.agents = None  # the leader's rollout programs (None: one engine request per sample)
         self.agentic = program is not None
         if self.agentic and roles.is_leader:
+            from megatron_rl.rollout.agent.runner import AgentRunner
+
             self.agents = AgentRunner(program, setup.tokenizer, self.args.seq_length, setup.spec.vocab_size,
                                       setup.stop_token_ids)
 
@@ -94,6 +96,8 @@ class GeneratorWorker:
                     self.meta[rid] = meta
                     self.unfinished[meta.group] += 1
                     if self.agents is not None:
+                        from megatron_rl.rollout.agent.client import AgentSample
+
                         self.agents.start(AgentSample(rid, meta.prompt, prompt, meta.reference, meta.metadata,
                                                       meta.is_eval), SamplingParams(**params))
                     elif not self.agentic:

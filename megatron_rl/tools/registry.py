@@ -17,8 +17,6 @@ import functools
 import inspect
 import json
 
-import jsonschema
-
 from megatron_rl.runtime import plugins
 from megatron_rl.tools import calculator, sandbox
 from megatron_rl.tools.types import EnvironmentFailure, ToolCall, ToolResult
@@ -30,6 +28,8 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 
 def load_tool_config(path: str) -> list[dict]:
     """The tools of --tool-config `path`, checked: a list of OpenAI function tools with unique names."""
+    import jsonschema  # here, not at the top: only runs that offer tools need the package
+
     where = f"--tool-config {path!r}"
     try:
         with open(path) as f:
@@ -72,13 +72,15 @@ def built_in_tools(names) -> list[dict]:
 @dataclasses.dataclass(frozen=True)
 class _Tool:
     schema: dict
-    validator: jsonschema.Draft202012Validator
+    validator: object  # a jsonschema validator of its parameters
     fn: object
 
 
 class ToolSet:
     def __init__(self, tools: list[dict], limits: sandbox.SandboxLimits = sandbox.SandboxLimits(),
                  config_path: str = "--tool-config"):
+        import jsonschema
+
         self._tools = {}
         for tool in tools:
             name = tool["function"]["name"]

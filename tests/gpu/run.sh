@@ -20,8 +20,7 @@ if [[ "${1:-}" == "pack" ]]; then
     mkdir -p "$wheels"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform any -d "$wheels" megatron-core==0.16.1 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
-        antlr4-python3-runtime==4.13.2
+        --platform any -d "$wheels" $(grep -v '^#' "$repo/tests/gpu/wheels.txt")
     du -sh "$wheels"
     exit 0
 fi

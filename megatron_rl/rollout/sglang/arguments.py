@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron_rl.rollout.sglang.server import API_KEY_ENV, REDACTED  # API_KEY_ENV: --sglang-api-key's default
+API_KEY_ENV = "SGLANG_API_KEY"  # --sglang-api-key's default; SGLang 0.5.23's server reads no variable
+REDACTED = "<redacted>"
 
 
 class Secret:

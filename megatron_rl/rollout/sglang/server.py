@@ -29,6 +29,7 @@ import requests
 import torch
 
 from megatron_rl.models.spec import ModelSpec
+from megatron_rl.rollout.sglang.arguments import API_KEY_ENV, REDACTED
 from megatron_rl.runtime.lifetime import die_with_parent
 
 
@@ -41,8 +42,6 @@ CPU_FLAGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda
              "grammar_backend": "none"}
 
 
-API_KEY_ENV = "SGLANG_API_KEY"  # read by megatron-rl (arguments.py); SGLang 0.5.23's server reads no variable
-REDACTED = "<redacted>"
 POOL_SIZE = 256  # HTTP connections kept open to one server (SGLangEngine's request threads)
 LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"}
