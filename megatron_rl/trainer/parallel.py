@@ -15,8 +15,10 @@ from megatron_rl.runtime.device import select_device
 def initialize(layout: TrainerLayout, spec: ModelSpec | None = None, seed: int = 1234,
                device: torch.device | str | None = None) -> torch.device:
     """Set up Megatron-Core's parallel state and RNG on an already initialized process group whose ranks are
-    exactly the trainer's, for a rank computing on `device` (default: `select_device("auto")`, which also makes it
-    the current CUDA device). On a CPU, Megatron-Core's CUDA assumptions are patched (`cpu_compat`). Returns the
+    exactly the trainer's, for a rank computing on `device` (default "auto"; resolved by `select_device`: a bare
+    "cuda" is this node-local rank's GPU, which becomes the current CUDA device). On a CPU, Megatron-Core's CUDA
+    assumptions are patched (`cpu_compat`). Seeds torch's CPU generator, from which `use_cpu_initialization` draws
+    the weights, and Megatron's CUDA generators with `seed`: every device starts from the same weights. Returns the
     device."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -29,7 +31,7 @@ def initialize(layout: TrainerLayout, spec: ModelSpec | None = None, seed: int =
                          f"({layout.describe()})")
     if spec is not None:
         layout.validate(spec)
-    device = select_device() if device is None else torch.device(device)
+    device = select_device("auto" if device is None else str(device))
     if device.type == "cpu":
         cpu_compat.apply(force=True)
     parallel_state.initialize_model_parallel(
@@ -39,6 +41,7 @@ def initialize(layout: TrainerLayout, spec: ModelSpec | None = None, seed: int =
         expert_tensor_parallel_size=layout.expert_tp,
     )
     model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
     return device
 
 
