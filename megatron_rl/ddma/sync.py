@@ -29,10 +29,12 @@ leaves both roles as they were). Other engines get fresh tensors, made as their 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 
@@ -384,18 +386,50 @@ def _send_all(rounds: list[RankRound], plan: Plan, transport: Transport, trainer
         _finish(in_flight.popleft())
 
 
+class SideStream:
+    """The CUDA stream of a trainer rank's background publishes. The training stream records `ready` once the
+    parameters hold the weights to publish (after the optimizer step); the publish's thread makes this stream
+    current, has it wait for `ready`, and builds its send buffers (FP8 quantization, merged pieces) and posts its
+    transfers there, so NCCL's waits for the generators land on this stream. The host waits for this stream alone
+    (`Transfer.wait`): the training stream, with the next forward and backward and their TP and DP collectives,
+    never waits for a generator."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.ready = torch.cuda.Event()
+
+    def record_ready(self) -> None:
+        """On the training thread: the publish reads the parameters as the training stream's work so far left them."""
+        self.ready.record(torch.cuda.current_stream(self.device))
+
+    @contextlib.contextmanager
+    def current(self, tensors: Iterable[torch.Tensor]):
+        """On the publishing thread: this stream is current and ordered after `ready`. The trainer's `tensors`,
+        allocated on the training stream, are marked as used on this one (`record_stream`), so that the caching
+        allocator does not give their memory to another tensor while this stream may still read them."""
+        torch.cuda.set_device(self.device)  # the current device is per thread
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.ready)
+            for tensor in tensors:
+                tensor.record_stream(self.stream)
+            yield
+
+
 class BackgroundSend:
     """A trainer rank's sends of one publish, run by a thread (rounds in order, bounded as in the foreground), so
-    that the trainer goes on; `wait` joins it and raises what it raised."""
+    that the trainer goes on; `wait` joins it and raises what it raised. On a GPU the sends run on `stream`
+    (`SideStream`), ordered after the training stream's work at the time of the call."""
 
-    def __init__(self, rounds, plan, transport, trainer_tensors, debug_checksums, device):
+    def __init__(self, rounds, plan, transport, trainer_tensors, debug_checksums, stream: SideStream | None):
         self.error: BaseException | None = None
+        if stream is not None:
+            stream.record_ready()
 
         def run():
             try:
-                if torch.device(device).type == "cuda":
-                    torch.cuda.set_device(device)  # the current device is per thread
-                _send_all(rounds, plan, transport, trainer_tensors, debug_checksums)
+                with stream.current(trainer_tensors.values()) if stream is not None else contextlib.nullcontext():
+                    _send_all(rounds, plan, transport, trainer_tensors, debug_checksums)
             except BaseException as e:  # noqa: BLE001 - raised by wait()
                 self.error = e
 
@@ -412,7 +446,7 @@ class BackgroundSend:
 def publish(plan: Plan, rank: int, version: int, trainer_tensors: dict[str, torch.Tensor] | None = None,
             engine=None, transport: Transport | None = None, bucket_bytes: int = 256 * 2**20,
             debug_checksums: bool = False, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-            background: bool = False) -> SyncStats | BackgroundSend:
+            background: bool = False, stream: SideStream | None = None) -> SyncStats | BackgroundSend:
     """Run the plan's transfers that involve `rank`. Trainer ranks give `trainer_tensors` (their Megatron
     parameters by local name, on their device); generator ranks give `engine` (begin/load/end_weight_update),
     and receive into tensors of `dtype` on `device`. The engine takes the received tensors without copying
@@ -420,7 +454,7 @@ def publish(plan: Plan, rank: int, version: int, trainer_tensors: dict[str, torc
 
     `background`: a rank that only sends runs its rounds on a thread and returns at once (a `BackgroundSend`), so
     that a trainer goes on (the next batch's forward and backward) while its generators reach a step boundary and
-    receive; it must `wait()` before it next changes the parameters."""
+    receive; it must `wait()` before it next changes the parameters. A trainer on a GPU gives its `SideStream`."""
     transport = transport or TorchDistTransport()
     start = time.perf_counter()
     plan_rounds = schedule(plan, bucket_bytes)
@@ -429,8 +463,7 @@ def publish(plan: Plan, rank: int, version: int, trainer_tensors: dict[str, torc
     if not is_generator:
         sent0 = transport.bytes_sent
         if background:
-            return BackgroundSend(rounds, plan, transport, trainer_tensors, debug_checksums,
-                                  next(iter(trainer_tensors.values())).device if trainer_tensors else device)
+            return BackgroundSend(rounds, plan, transport, trainer_tensors, debug_checksums, stream)
         _send_all(rounds, plan, transport, trainer_tensors, debug_checksums)
         return SyncStats(version, time.perf_counter() - start, transport.bytes_sent - sent0, 0, len(rounds))
     pair = None

@@ -33,9 +33,10 @@ class Transport(Protocol):
 
 class Transfer:
     """Posted point-to-point operations and their buffers (which must stay untouched until `wait` returns);
-    `wait` blocks until all completed (on a GPU: until the device finished them, so that received bytes are there
-    and sent buffers may be reused) and counts their bytes on the transport. A peer that died or stayed silent for
-    the group's timeout is raised as `multinode.LostPeer` naming it (one of the round's peers, on NCCL)."""
+    `wait` blocks until all completed (on a GPU: until the current stream, which NCCL's work joins, finished them,
+    so that received bytes are there and sent buffers may be reused) and counts their bytes on the transport. A
+    peer that died or stayed silent for the group's timeout is raised as `multinode.LostPeer` naming it (one of the
+    round's peers, on NCCL)."""
 
     def __init__(self, transport, works: list, sends: list[tuple[int, torch.Tensor]],
                  recvs: list[tuple[int, torch.Tensor]], copies: list[tuple[torch.Tensor, torch.Tensor]] = ()):

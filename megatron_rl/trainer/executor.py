@@ -14,7 +14,8 @@ that timeout, so that only a peer silent for the whole timeout fails the run.
 
 DDMA sends are posted in the background after each optimizer step ("publish") and waited for just before the
 next optimizer step changes the parameters, so the trainer computes the next batch's forward and backward while
-generators receive.
+generators receive. On a GPU they run on a CUDA stream of their own (`ddma.sync.SideStream`): the training stream
+never waits for a generator.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from megatron_rl.algorithms import AlgorithmConfig
 from megatron_rl.checkpoint import rl_checkpoint
 from megatron_rl.checkpoint.megatron_format import RL_FORMAT
 from megatron_rl.config.setup import RunSetup, model_directory
-from megatron_rl.ddma.sync import publish
+from megatron_rl.ddma.sync import SideStream, publish
 from megatron_rl.ddma.transport import make_transport
 from megatron_rl.runtime import failpoints
 from megatron_rl.runtime.keep_alive import KeepAlive
@@ -83,7 +84,8 @@ class TrainerExecutor:
                                             setup.tokenizer, model_directory(args))
         self.plan = setup.plan()
         self.transport = make_transport(roles)
-        self._publishing = None  # this rank's DDMA sends in flight (a Transfer), if any
+        self._publishing = None  # this rank's DDMA sends in flight (a BackgroundSend), if any
+        self._publish_stream = SideStream(roles.device) if roles.device.type == "cuda" else None
         self.version = -1  # the last weight version published
         self.commands_group = dist.new_group(backend="gloo", timeout=roles.timeout) if dist.get_world_size() > 1 \
             else None
@@ -227,7 +229,8 @@ class TrainerExecutor:
         self.version = version
         self._publishing = publish(self.plan, self.roles.rank, version, trainer_tensors=params,
                                    transport=self.transport, bucket_bytes=self.args.ddma_bucket_mb * 2**20,
-                                   debug_checksums=self.args.ddma_debug_checksums, background=True)
+                                   debug_checksums=self.args.ddma_debug_checksums, background=True,
+                                   stream=self._publish_stream)
 
     def _save(self, directory: str) -> None:
         from megatron_rl.trainer.checkpoint import save_trainer_checkpoint

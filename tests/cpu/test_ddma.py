@@ -92,11 +92,45 @@ def _sync_all_cases(cases):
     return report
 
 
+class _RecordingStream:
+    """Stands in for `ddma.sync.SideStream` on a CPU: records which thread did what, and whether the stream was
+    current, so that the test sees the order a GPU would be given."""
+
+    def __init__(self):
+        import threading
+
+        self.log: list[tuple[str, str]] = []
+        self.is_current = False
+        self.marked: set[str] = set()
+        self._thread = threading.current_thread
+
+    def record_ready(self):
+        self.log.append((self._thread().name, "record ready on the training stream"))
+
+    def current(self, tensors):
+        import contextlib
+
+        @contextlib.contextmanager
+        def entered():
+            self.log.append((self._thread().name, "side stream current, waits for ready"))
+            self.marked.update(str(t.data_ptr()) for t in tensors)
+            self.is_current = True
+            try:
+                yield
+            finally:
+                self.is_current = False
+                self.log.append((self._thread().name, "side stream left"))
+
+        return entered()
+
+
 def _background_publish():
     """Trainer rank 0 posts a publication; generator rank 1 starts receiving only after rank 0 says it got
     control back from `publish`. A publish that waited for its receiver would never say so (rank 1 would time
-    out waiting for the word)."""
+    out waiting for the word). Rank 0's publish gets a recording stand-in for its CUDA stream: what it recorded,
+    on which thread, and whether every transfer was posted (its buffers built) with that stream current."""
     import datetime
+    import threading
 
     import torch.distributed as dist
 
@@ -111,23 +145,43 @@ def _background_publish():
     if dist.get_rank() == 0:
         shards = weight_map.megatron_shards(TINY, plan.trainer, 0, 0)
         tensors = {n: weight_map.assemble(s, weight_map.slicer(hf)) for n, s in shards.items()}
-        transport = TorchDistTransport()
-        pending = publish(plan, 0, version=1, trainer_tensors=tensors, transport=transport, background=True)
+        stream = _RecordingStream()
+
+        class StreamCheckingTransport(TorchDistTransport):
+            def start(self, sends, recvs):
+                stream.log.append((threading.current_thread().name,
+                                   "post with the side stream current" if stream.is_current else "post elsewhere"))
+                return super().start(sends, recvs)
+
+        transport = StreamCheckingTransport()
+        pending = publish(plan, 0, version=1, trainer_tensors=tensors, transport=transport, background=True,
+                          stream=stream, bucket_bytes=2**14)
         dist.send(posted + 1, 1, tag=99)
         pending.wait()
-        return {"sent": transport.bytes_sent, "planned": plan.bytes_sent(0)}
+        return {"sent": transport.bytes_sent, "planned": plan.bytes_sent(0), "log": stream.log,
+                "main_thread": threading.main_thread().name,
+                "all_marked": stream.marked == {str(t.data_ptr()) for t in tensors.values()}}
     engine = LocalEngine(TPDecoder(TINY, 1, 0, None))
     dist.irecv(posted, 0, tag=99).wait(datetime.timedelta(seconds=60))
-    publish(plan, 1, version=1, engine=engine)
+    publish(plan, 1, version=1, engine=engine, bucket_bytes=2**14)
     return {"posted_first": posted.item() == 1,
             "equal": all(torch.equal(engine.decoder.params[n], weight_map.assemble(s, weight_map.slicer(hf)))
                          for n, s in weight_map.sglang_shards(TINY, 1, 0).items())}
 
 
-def test_a_background_publish_returns_before_the_generator_receives():
+def test_a_background_publish_returns_before_the_generator_receives_and_runs_on_its_own_stream():
     trainer, generator = run_on_ranks(_background_publish, 2)
     assert generator["posted_first"]
     assert trainer["sent"] == trainer["planned"] and generator["equal"]
+    # The training thread only records the event; the sending thread does everything else on the side stream, after
+    # waiting for it, and marks every trainer tensor it reads as used there.
+    main = trainer["main_thread"]
+    assert [what for who, what in trainer["log"] if who == main] == ["record ready on the training stream"]
+    assert trainer["log"][0] == (main, "record ready on the training stream")
+    side = [what for who, what in trainer["log"] if who != main]
+    assert side[0] == "side stream current, waits for ready" and side[-1] == "side stream left"
+    assert set(side[1:-1]) == {"post with the side stream current"} and len(side) > 3  # several rounds
+    assert trainer["all_marked"]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ and the receiving rank must hold about a bucket of them at a time, not the whole
 
 import types
 
+import pytest
 import torch
 
 from megatron_rl.models.spec import get_model_spec
@@ -56,3 +57,48 @@ def test_kv_cache_fits_a_budget_where_slots_times_length_would_not():
     assert decoder.k_cache.numel() * 2 * 2 == tokens * per_token
     free, _ = torch.cuda.mem_get_info()
     assert free > total * 0.2 - 2**30  # what the fraction leaves (weights not loaded here), give or take a GiB
+
+
+def _train_while_publishing():
+    """Ranks 0 and 1: a TP=2 trainer that posts a background publish, then runs TP all-reduces on its training stream
+    and only then lets the generator (rank 2) receive. Were the publish's NCCL waits on the training stream, the
+    all-reduces would queue behind sends that the generator does not take until they are done: a deadlock."""
+    import torch.distributed as dist
+    from helpers import random_hf_weights
+
+    from megatron_rl.ddma.plan import make_plan
+    from megatron_rl.ddma.sync import SideStream, publish
+    from megatron_rl.models import weight_map
+    from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
+    from megatron_rl.rollout.local.decoder import TPDecoder
+    from megatron_rl.rollout.local.engine import LocalEngine
+
+    rank, device = dist.get_rank(), torch.device("cuda", dist.get_rank())
+    torch.cuda.set_device(device)
+    plan = make_plan(SPEC, TrainerLayout(2, 1, 1, dtype_bytes=4), GeneratorLayout(1, 1, first_rank=2))
+    tp_group = dist.new_group([0, 1])
+    signals = dist.new_group(backend="gloo")
+    hf = random_hf_weights(SPEC, seed=1)
+    if rank < 2:
+        tensors = {n: weight_map.assemble(s, weight_map.slicer(hf)).to(device)
+                   for n, s in weight_map.megatron_shards(SPEC, plan.trainer, rank, 0).items()}
+        pending = publish(plan, rank, 1, trainer_tensors=tensors, bucket_bytes=BUCKET, background=True,
+                          stream=SideStream(device))
+        x = torch.ones(2**20, device=device)
+        for _ in range(20):  # a rank posts its next rounds meanwhile: the two ranks' rounds drift apart
+            dist.all_reduce(x, group=tp_group)
+        torch.cuda.current_stream(device).synchronize()
+        dist.barrier(group=signals)  # the generator receives only now
+        pending.wait()
+        return float(x[0])
+    engine = LocalEngine(TPDecoder(SPEC, 1, 0, None, device=device))
+    dist.barrier(group=signals)
+    publish(plan, rank, 1, engine=engine, bucket_bytes=BUCKET, device=device)
+    return all(torch.equal(engine.decoder.params[n].cpu(), weight_map.assemble(s, weight_map.slicer(hf)))
+               for n, s in weight_map.sglang_shards(SPEC, 1, 0).items())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="NCCL needs a GPU per rank: 2 trainer ranks + 1 generator")
+def test_training_collectives_never_wait_for_a_generator():
+    first, second, installed = run_on_ranks(_train_while_publishing, 3, backend="nccl", timeout_s=120)
+    assert first == second == 2.0**20 and installed
