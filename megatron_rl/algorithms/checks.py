@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+# The non-finite counts that `finite_where` appends to instead of checking, inside `deferred_finite_checks`.
+_deferred: contextvars.ContextVar[list[tuple[str, torch.Tensor]] | None] = contextvars.ContextVar(
+    "deferred_finite_checks", default=None)
 
 
 def float_tensor(name: str, x) -> torch.Tensor:
@@ -30,8 +37,28 @@ def finite_where(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -
     bad = ~torch.isfinite(x)
     if mask is not None:
         bad = bad & mask
-    if bad.any():
-        raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) where it is used")
+    deferred = _deferred.get()
+    if deferred is not None:
+        deferred.append((name, bad.sum()))
+    elif bad.any():
+        raise_nonfinite(name, int(bad.sum()))
+
+
+def raise_nonfinite(name: str, count: int) -> None:
+    raise ValueError(f"{name} has {count} non-finite value(s) where it is used")
+
+
+@contextlib.contextmanager
+def deferred_finite_checks():
+    """Inside, `finite_where` does not read its verdict from the tensor's device (a host synchronization on a GPU):
+    it appends (name, count of non-finite values, a tensor) to the list this yields, for the caller to read with its
+    other results and pass to `raise_nonfinite` where a count is not 0."""
+    counts: list[tuple[str, torch.Tensor]] = []
+    token = _deferred.set(counts)
+    try:
+        yield counts
+    finally:
+        _deferred.reset(token)
 
 
 def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,9 @@ def padded_microbatch(batch: TrainBatch, rows: list[int], multiple: int = 1) -> 
 def packed_microbatch(batch: TrainBatch, rows: list[int], multiple: int = 1) -> dict[str, Any]:
     """Rows packed back to back into one row of tokens, padded at the end to a multiple of `multiple`. Adds what
     the model needs to see each sequence alone (`position_ids`, `segments`: the sequence of each position, the tail
-    padding its own) and `unpack` [rows, width]: where each row's prediction positions sit in the packed row."""
+    padding its own; `cu_seqlens` and `longest_segment`, their bounds for THD attention) and `unpack` [rows, width]:
+    where each row's prediction positions sit in the packed row. Everything is computed here, on the host, so that
+    the step never reads a shape back from the device."""
     index = torch.tensor(rows)
     lengths = batch.seq_lengths[index]
     total = int(lengths.sum())
@@ -147,7 +149,9 @@ def packed_microbatch(batch: TrainBatch, rows: list[int], multiple: int = 1) -> 
     positions = torch.cat([torch.arange(n) for n in segment_lengths])
     column = torch.arange(width)
     unpack = torch.where(column < (lengths - 1)[:, None], starts[:, None] + column, torch.zeros((), dtype=torch.long))
+    cu_seqlens = torch.tensor([0] + segment_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     mb = {"tokens": tokens[None], "position_ids": positions[None], "segments": segments[None], "unpack": unpack,
+          "cu_seqlens": cu_seqlens, "longest_segment": max(segment_lengths),
           "padding_mask": (torch.arange(padded_total) >= total)[None], **_row_tensors(batch, index, width)}
     if batch.routed_experts is not None:
         routes = batch.routed_experts
@@ -229,31 +233,29 @@ def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     return ~(same & causal)[:, None]
 
 
-def packed_seq_params(segments: torch.Tensor):
-    """Transformer Engine's THD view of one packed row [1, s]: cumulative sequence lengths (int32) per segment."""
+def packed_seq_params(mb: dict[str, Any]):
+    """Transformer Engine's THD view of a packed micro-batch: its segments' cumulative lengths (int32)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    counts = torch.bincount(segments[0])
-    cu = torch.zeros(len(counts) + 1, dtype=torch.int32, device=segments.device)
-    cu[1:] = torch.cumsum(counts, 0)
-    longest = int(counts.max())
+    cu, longest = mb["cu_seqlens"], mb["longest_segment"]
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                            max_seqlen_kv=longest)
 
 
 class PerSequenceRotary(torch.nn.Module):
-    """Megatron's rotary embedding at given positions [b, s] (restarting per packed sequence): GPTModel asks its
-    rotary module for positions 0..s-1 of every row, which a packed row on the local spec must not use."""
+    """Megatron's rotary embedding at given positions [b, s] (restarting per packed sequence, none beyond
+    `positions`): GPTModel asks its rotary module for positions 0..s-1 of every row, which a packed row on the local
+    spec must not use."""
 
-    def __init__(self, inner: torch.nn.Module, position_ids: torch.Tensor):
+    def __init__(self, inner: torch.nn.Module, position_ids: torch.Tensor, positions: int):
         super().__init__()
-        self.inner, self.position_ids = inner, position_ids
+        self.inner, self.position_ids, self.positions = inner, position_ids, positions
 
     def get_rotary_seq_len(self, *args, **kwargs):
         return self.inner.get_rotary_seq_len(*args, **kwargs)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        emb = self.inner(int(self.position_ids.max()) + 1)  # [positions, 1, 1, dim]
+        emb = self.inner(self.positions)  # [positions, 1, 1, dim]
         return emb[:, 0, 0][self.position_ids].transpose(0, 1)[:, :, None]  # [s, b, 1, dim]
 
 
@@ -283,9 +285,9 @@ def model_forward(model: torch.nn.Module, mb: dict[str, Any]) -> torch.Tensor:
     if "segments" not in mb:
         return model(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None, **extra)
     if mb["thd"]:
-        return model(ids, mb["position_ids"], None, packed_seq_params=packed_seq_params(mb["segments"]), **extra)
+        return model(ids, mb["position_ids"], None, packed_seq_params=packed_seq_params(mb), **extra)
     rotary = gpt.rotary_pos_emb
-    gpt.rotary_pos_emb = PerSequenceRotary(rotary, mb["position_ids"])
+    gpt.rotary_pos_emb = PerSequenceRotary(rotary, mb["position_ids"], mb["longest_segment"])
     try:
         return model(ids, mb["position_ids"], block_causal_mask(mb["segments"]), **extra)
     finally:

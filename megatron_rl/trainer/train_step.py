@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import algorithms
-from megatron_rl.algorithms import AlgorithmConfig
+from megatron_rl.algorithms import AlgorithmConfig, checks
 from megatron_rl.trainer import packing
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import next_token_logprobs_and_entropy
@@ -50,7 +50,7 @@ def policy_loss(algo: AlgorithmConfig, logits: torch.Tensor, mb: dict[str, torch
     if algo.entropy_coef:
         loss = loss - algo.entropy_coef * ent
     stats.update(entropy=ent.detach(), loss=loss.detach(), model_tokens=mb["tokens"].numel(),
-                 logprobs=logprobs.detach()[mask], behavior_logprobs=blp[mask])
+                 logprobs=logprobs.detach(), behavior_logprobs=blp, loss_mask=mask)
     return loss, stats
 
 
@@ -82,19 +82,29 @@ class PolicyTrainer:
             ps.get_data_parallel_rank()]
 
     def _microbatches(self, share: packing.BatchShare) -> list[dict[str, Any]]:
-        """The share's micro-batches, on the policy's device."""
+        """The share's micro-batches, planned on the host (`packing.microbatches`) and then moved to the policy's
+        device; on a GPU through pinned memory, so that the copies do not wait for the device's queued work."""
         from megatron.core import parallel_state as ps
 
         multiple = ps.get_tensor_model_parallel_world_size() if self.policy.config.sequence_parallel else 1
         parts = packing.microbatches(share, multiple, thd=self.policy.layout.transformer_impl == "transformer_engine")
         device = self.policy.device
-        return [{**{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()},
-                 "batch_width": share.width} for mb in parts]
+        pin = device.type == "cuda"
+
+        def moved(v):
+            return (v.pin_memory() if pin else v).to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+
+        return [{**{k: moved(v) for k, v in mb.items()}, "batch_width": share.width} for mb in parts]
 
     def train_step(self, batch: TrainBatch | packing.BatchShare, before_update: Callable[[], None] | None = None
                    ) -> dict[str, float]:
         """One optimizer step on `batch`; returns the same metrics dict on every trainer rank. `before_update`
-        runs between the backward passes and the optimizer step (the last moment the old weights are needed)."""
+        runs between the backward passes and the optimizer step (the last moment the old weights are needed).
+
+        The host waits for the device once in the micro-batches' work (besides what Megatron-Core's optimizer
+        does, such as reading the gradient norm): when it reads the step's metrics, which carry the loss inputs'
+        non-finite counts too. A non-finite advantage or log-prob where the loss mask is set raises, naming it,
+        before the optimizer step, on every rank."""
         from megatron.core import parallel_state as ps
 
         start = time.perf_counter()
@@ -104,19 +114,21 @@ class PolicyTrainer:
         microbatches = self._microbatches(share)
         if self.algo.kl_coef and share.batch.ref_logprobs is None:
             self._add_reference_logprobs(microbatches)
-        stats = run_microbatches(self.policy, microbatches,
-                                 lambda logits, mb: policy_loss(self.algo, logits, mb, vocab, normalizer))
+        with checks.deferred_finite_checks() as nonfinite:
+            stats = run_microbatches(self.policy, microbatches,
+                                     lambda logits, mb: policy_loss(self.algo, logits, mb, vocab, normalizer))
         aux_loss = moe_aux_loss(self.policy, len(microbatches))
+        metrics = self._reduce_stats(stats, nonfinite) if ps.is_pipeline_last_stage() else None
+        metrics = _share_from_last_stage(metrics)
+        for name, count in metrics.pop("nonfinite").items():
+            if count:
+                checks.raise_nonfinite(name, count)
         if before_update is not None:
             before_update()
         step = optimizer_step(self.policy)
         if self.scheduler is not None and step["update_successful"]:
             self.scheduler.step(increment=1)  # a skipped step does not advance the schedule (as in Megatron)
         self.step += step["update_successful"]
-        metrics = None
-        if ps.is_pipeline_last_stage():
-            metrics = self._reduce_stats(stats)
-        metrics = _share_from_last_stage(metrics)
         if aux_loss is not None:
             metrics["moe_aux_loss"] = aux_loss
         elapsed = time.perf_counter() - start
@@ -135,33 +147,51 @@ class PolicyTrainer:
         for mb, lp in zip(microbatches, ref):
             mb["ref_logprobs"] = lp
 
-    def _reduce_stats(self, stats: list[dict[str, Any]]) -> dict[str, float]:
+    def _reduce_stats(self, stats: list[dict[str, Any]], nonfinite: list[tuple[str, torch.Tensor]]
+                      ) -> dict[str, Any]:
         """The step's metrics, the same on every data-parallel rank: the losses; `<name>_fraction`, the fraction of
-        the batch's valid tokens that each of the loss's indicators marked; the off-policy diagnostics."""
+        the batch's valid tokens that each of the loss's indicators marked; the off-policy diagnostics; and
+        "nonfinite", the loss inputs' non-finite values by name (`checks.deferred_finite_checks`).
+
+        One read from the device: the scalars (summed over DP on the device) and this rank's per-token log-probs,
+        behavior log-probs and loss masks, in one tensor. The tokens' values are then gathered over DP on the host
+        (Megatron-Core's gloo DP group), for the diagnostics' quantiles."""
         from megatron.core import parallel_state as ps
 
-        group = ps.get_data_parallel_group()
+        device = self.policy.device
         names = sorted(stats[0]["indicator_counts"])  # the same on every rank: the loss and its config decide
-        scalars = torch.tensor([sum(float(s[k]) for s in stats) if any(k in s for s in stats) else 0.0
-                                for k in ("loss", "pg_loss", "entropy", "kl_ref")] +
-                               [sum(float(s["indicator_counts"][k]) for s in stats) for k in names] +
-                               [sum(s["model_tokens"] for s in stats)],
-                               dtype=torch.float64, device=self.policy.device)
-        dist.all_reduce(scalars, group=group)  # each micro-batch's value is already a share of the global mean
-        lp = torch.cat([s["logprobs"] for s in stats]).cpu()  # gathered as Python objects: through the host
-        blp = torch.cat([s["behavior_logprobs"] for s in stats]).cpu()
+        checked = list(dict.fromkeys(name for name, _ in nonfinite))
+
+        def total(values) -> torch.Tensor:
+            values = list(values)
+            return torch.stack(values).double().sum() if values else torch.zeros((), dtype=torch.float64,
+                                                                                   device=device)
+
+        scalars = torch.stack([total(s[k] for s in stats if k in s) for k in ("loss", "pg_loss", "entropy", "kl_ref")]
+                              + [total(s["indicator_counts"][k] for s in stats) for k in names]
+                              + [torch.full((), float(sum(s["model_tokens"] for s in stats)), dtype=torch.float64,
+                                            device=device)]
+                              + [total(c for n, c in nonfinite if n == name) for name in checked])
+        dist.all_reduce(scalars, group=ps.get_data_parallel_group())  # micro-batch values are shares of global means
+        per_token = [torch.cat([s[k].flatten() for s in stats]).double()
+                     for k in ("logprobs", "behavior_logprobs", "loss_mask")]
+        host = torch.cat([scalars, *per_token]).cpu()
+        scalars, lp, blp, mask = host.split([len(scalars)] + [len(t) for t in per_token])
+        mask = mask.bool()
         gathered: list[Any] = [None] * ps.get_data_parallel_world_size()
-        dist.all_gather_object(gathered, (lp, blp), group=group)
+        dist.all_gather_object(gathered, (lp[mask], blp[mask]), group=ps.get_data_parallel_group_gloo())
         lp = torch.cat([g[0] for g in gathered]).unsqueeze(0)
         blp = torch.cat([g[1] for g in gathered]).unsqueeze(0)
-        mask = torch.ones_like(lp, dtype=torch.bool)
-        out = {"loss": scalars[0].item(), "pg_loss": scalars[1].item(), "entropy": scalars[2].item()}
+        values = scalars.tolist()
+        out: dict[str, Any] = {"loss": values[0], "pg_loss": values[1], "entropy": values[2]}
         if self.algo.kl_coef:
-            out["kl_ref"] = scalars[3].item()
+            out["kl_ref"] = values[3]
         valid_tokens = max(lp.numel(), 1)  # every rank's valid tokens, gathered
-        out.update({f"{name}_fraction": count.item() / valid_tokens for name, count in zip(names, scalars[4:-1])})
-        out["model_tokens"] = int(scalars[-1].item())  # what the model ran on: real tokens and padding
-        out.update(algorithms.offpolicy_diagnostics(lp, blp, mask))
+        indicators, rest = values[4:4 + len(names)], values[4 + len(names):]
+        out.update({f"{name}_fraction": count / valid_tokens for name, count in zip(names, indicators)})
+        out["model_tokens"] = int(rest[0])  # what the model ran on: real tokens and padding
+        out["nonfinite"] = {name: int(count) for name, count in zip(checked, rest[1:])}
+        out.update(algorithms.offpolicy_diagnostics(lp, blp, torch.ones_like(lp, dtype=torch.bool)))
         return out
 
     @torch.no_grad()

@@ -101,6 +101,82 @@ def _trainer(tp, pp, sp, batching, aggregation="token-mean", kl_coef=0.0):
     return PolicyTrainer(policy, algo, batching=batching, reference=reference)
 
 
+class HostSyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts the calls that make the host wait for the device (a read of a value, a boolean index, a copy to the
+    host) on tensors that live on the device in a GPU run: the ones `track`ed (what the step moved there, and the
+    model's parameters) and every tensor computed from them. On a CPU these are ordinary tensors: the counter knows
+    them by identity. Each call is attributed to the first caller outside torch: this project, or Megatron-Core."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.numpy,
+             torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.bincount,
+             torch.Tensor.bincount, torch.equal, torch.Tensor.cpu}
+
+    def __init__(self):
+        super().__init__()
+        self._device: dict[int, object] = {}  # id -> weak reference of the tensors on the device
+        self.calls: list[tuple[str, str]] = []  # (whose, what)
+
+    def track(self, *tensors) -> None:
+        import weakref
+
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._device[id(t)] = weakref.ref(t)
+
+    def _on_device(self, t) -> bool:
+        ref = self._device.get(id(t))
+        return ref is not None and ref() is t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import sys
+
+        kwargs = kwargs or {}
+        inputs = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        inputs += [a for arg in args if isinstance(arg, (tuple, list)) for a in arg if isinstance(a, torch.Tensor)]
+        on_device = any(self._on_device(t) for t in inputs)
+        to_host = func is torch.Tensor.cpu or (func is torch.Tensor.to and any(
+            str(a) == "cpu" for a in list(args[1:]) + [kwargs.get("device")]))
+        boolean_index = func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if isinstance(args[1], tuple) else (args[1],)))
+        if on_device and (func in self.READS or to_host or boolean_index):
+            frame = sys._getframe(1)
+            while frame and ("/torch/" in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
+                frame = frame.f_back
+            where = frame.f_code.co_filename if frame else "?"
+            whose = "megatron_rl" if "/megatron_rl/" in where else "megatron-core" if "/megatron/" in where else where
+            self.calls.append((whose, f"{getattr(func, '__name__', func)} at {where}:{frame.f_lineno if frame else 0}"))
+        out = func(*args, **kwargs)
+        if to_host and isinstance(out, torch.Tensor):
+            return out.clone()  # a host copy (on a CPU `.cpu()` returns the tensor itself)
+        if on_device:
+            self.track(*(out if isinstance(out, (tuple, list)) else (out,)))
+        return out
+
+
+def _count_host_syncs(batch, budget):
+    """Our host synchronizations in one packed training step (DP=2) of `budget` tokens per micro-batch."""
+    from megatron_rl.trainer.train_step import PolicyTrainer
+
+    counter = HostSyncCounter()
+
+    class Tracked(PolicyTrainer):
+        def _microbatches(self, share):
+            microbatches = super()._microbatches(share)
+            for mb in microbatches:
+                counter.track(*mb.values())
+            return microbatches
+
+    trainer = _trainer(1, 1, False, packing.MicroBatching(max_tokens=budget))
+    trainer.__class__ = Tracked
+    counter.track(*trainer.policy.module.parameters(), *(b.grad_data for b in trainer.policy.model.buffers))
+    with counter:
+        trainer.train_step(batch)
+    return {"ours": [what for whose, what in counter.calls if whose == "megatron_rl"],
+            "micro_batches": len(trainer.share(batch).plan)}
+
+
 def _equivalence_rank():
     padded, packed = packing.MicroBatching(micro_batch_size=2), packing.MicroBatching(max_tokens=BUDGET)
     batch, out = _batch(), {}
@@ -119,6 +195,17 @@ def _equivalence_rank():
                 metrics = trainer.train_step(batch)
                 steps[aggregation, way] = {**_params(trainer), "metrics": metrics}
         out[name] = {"logprobs": logprobs, "steps": steps}
+        if name == "dp2":
+            out["host_syncs"] = [_count_host_syncs(batch, budget) for budget in (BUDGET, 2 * BUDGET)]
+            bad = _batch()
+            bad.advantages[2] = float("nan")  # on the first DP rank's share only
+            trainer = _trainer(1, 1, False, packed)
+            before = _params(trainer)["params"]
+            try:
+                trainer.train_step(bad)
+            except ValueError as e:
+                out["nonfinite"] = {"error": str(e), "unchanged": all(
+                    torch.equal(before[k], v) for k, v in _params(trainer)["params"].items())}
         parallel.destroy()
     return out
 
@@ -153,6 +240,23 @@ def test_one_step_packed_equals_padded(equivalence, layout, aggregation):
     for key in ("loss", "grad_norm", "kl_behavior_current", "tokens") + (("kl_ref",) if aggregation == "kl" else ()):
         assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=2e-6), key
     assert got["model_tokens"] < ref["model_tokens"]  # packing ran the model on fewer padded positions
+
+
+def test_a_packed_step_reads_from_the_device_once_whatever_its_micro_batches(equivalence):
+    """The step's only host synchronization in this project's code is the read of its metrics (Megatron-Core's
+    optimizer reads the gradient norm besides); none per micro-batch."""
+    for rank in equivalence:
+        counts = rank["host_syncs"]
+        assert counts[0]["micro_batches"] != counts[1]["micro_batches"]
+        for count in counts:
+            assert len(count["ours"]) == 1 and "cpu at " in count["ours"][0], count["ours"]
+
+
+def test_a_nonfinite_loss_input_on_one_rank_stops_the_step_on_every_rank_before_the_update(equivalence):
+    for rank in equivalence:
+        # row 2's advantage is NaN: its 9 response tokens (on the first rank's share), counted over DP
+        assert rank["nonfinite"]["error"] == "advantages has 9 non-finite value(s) where it is used"
+        assert rank["nonfinite"]["unchanged"]
 
 
 # ---- a mixture of experts: EP=2, routing replay, the load-balancing loss --------------------------------------------
