@@ -8,10 +8,13 @@
 #   advertise 127.0.0.1 to the other nodes).
 # A node waits for the others at most --distributed-timeout-minutes (default 30): torchrun's rendezvous gets
 # that timeout, and the run's process groups and channels use it too.
+# PYTHON: the interpreter that has torch and megatron-rl (default python3); torchrun is run as its module.
+PYTHON=${PYTHON:-python3}
+
 launch() {
     local world=$(( NNODES * GPUS_PER_NODE ))
     if [[ " $* " == *" --dry-run "* ]]; then
-        python -m megatron_rl.train "$@" --world-size "$world"
+        "$PYTHON" -m megatron_rl.train "$@" --world-size "$world"
     else
         check_node_env || return
         if (( NNODES > 1 )) && [[ -z "${GLOO_SOCKET_IFNAME:-}" ]]; then
@@ -23,7 +26,7 @@ launch() {
         timeout_s=$(rendezvous_timeout_s "$@") || return
         # a signal to torchrun (a scheduler's, --exit-signal-handler) leaves the workers this long to save and exit
         export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
-        torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+        "$PYTHON" -m torch.distributed.run --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --rdzv-conf "timeout=$timeout_s" \
             -m megatron_rl.train "$@"
     fi

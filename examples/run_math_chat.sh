@@ -22,7 +22,7 @@ SYSTEM_PROMPT='Solve the problem. Put the final answer in \boxed{}.'
 MAX_RESPONSE=16
 
 if [[ " $* " != *" --dry-run "* && "$NODE_RANK" == 0 && ! -f "$DATA/tokenizer/tokenizer.json" ]]; then
-    python -m megatron_rl.data.tasks.word_problems --out "$DATA" --train 4000 --eval 200
+    "$PYTHON" -m megatron_rl.data.tasks.word_problems --out "$DATA" --train 4000 --eval 200
 fi
 
 MODEL_ARGS=(
@@ -52,9 +52,9 @@ launch "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_AR
 [[ " $* " == *" --dry-run "* ]] && exit 0
 # Only node 0 has the controller's files (metrics, evaluations, the HF export).
 if [[ "$NODE_RANK" == 0 ]]; then
-    python -m megatron_rl.observability.plots "$OUTPUT_DIR"
+    "$PYTHON" -m megatron_rl.observability.plots "$OUTPUT_DIR"
     EXPORT=$(ls -d "$OUTPUT_DIR"/hf/iter_* | sort | tail -1)
-    python "$(dirname "$0")/../tools/eval_hf.py" --hf-dir "$EXPORT" --eval-prompt-data "$DATA/eval.jsonl" \
+    "$PYTHON" "$(dirname "$0")/../tools/eval_hf.py" --hf-dir "$EXPORT" --eval-prompt-data "$DATA/eval.jsonl" \
         --input-key messages --label-key answer --apply-chat-template --system-prompt "$SYSTEM_PROMPT" \
         --max-new-tokens "$MAX_RESPONSE" --compare-eval-json "$OUTPUT_DIR/eval.json" --eval-set heldout
 fi

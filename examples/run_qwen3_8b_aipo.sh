@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Qwen3-8B on 2 nodes x 8 GPUs: trainer TP=2 x DP=4 (8 GPUs, bf16), 8 FP8 generators at TP=1.
+# Qwen3-8B on one node of 8 GPUs: trainer TP=2 x DP=2 (4 GPUs, bf16), 4 FP8 generator replicas at TP=1 (a GPU each).
+# On two nodes (NNODES=2, 16 GPUs) the same layout doubles: trainer TP=2 x DP=4, 8 replicas.
 #
-#   NNODES=2 NODE_RANK=$i MASTER_ADDR=host0 bash examples/run_qwen3_8b_aipo.sh [--flag value ...]
+#   bash examples/run_qwen3_8b_aipo.sh [--flag value ...]                                   # one node
+#   NNODES=2 NODE_RANK=$i MASTER_ADDR=host0 bash examples/run_qwen3_8b_aipo.sh [--flag ...]  # each of two nodes
 #   bash examples/run_qwen3_8b_aipo.sh --dry-run     # on any machine: rank map, memory per GPU, DDMA estimate
 #
 # Layout and batch: configs/qwen3-8b.json. Paths from the environment: HF_CHECKPOINT, CHECKPOINT_PATH,
@@ -9,4 +11,5 @@
 set -euo pipefail
 source "$(dirname "$0")/launch_common.sh"
 
-run_aipo qwen3-8b 2 8 "$@"
+NNODES=${NNODES:-1}
+run_aipo qwen3-8b "$NNODES" $(( NNODES * ${GPUS_PER_NODE:-8} / 2 )) "$@"

@@ -52,5 +52,5 @@ if [[ "${COMPARE_SYNC:-0}" == "1" ]]; then
 fi
 # Only node 0 plots: metrics.jsonl is written by the controller (global rank 0), which runs on node 0.
 if [[ "$NODE_RANK" == 0 ]]; then
-    python -m megatron_rl.observability.plots "${PLOT_ARGS[@]}"
+    "$PYTHON" -m megatron_rl.observability.plots "${PLOT_ARGS[@]}"
 fi

@@ -23,7 +23,7 @@ single_node_defaults 127.0.0.1
 DATA=$OUTPUT_DIR/data
 
 if [[ " $* " != *" --dry-run "* && "$NODE_RANK" == 0 && ! -f "$DATA/tokenizer/tokenizer.json" ]]; then
-    python -m megatron_rl.data.tasks.tool_arithmetic --out "$DATA" --train 4000 --eval 200
+    "$PYTHON" -m megatron_rl.data.tasks.tool_arithmetic --out "$DATA" --train 4000 --eval 200
 fi
 
 MODEL_ARGS=(
@@ -68,8 +68,8 @@ if [[ "${NO_BASELINE:-0}" != "1" ]]; then
 fi
 # Only node 0 has the controller's files (metrics, evaluations).
 if [[ "$NODE_RANK" == 0 ]]; then
-    python -m megatron_rl.observability.plots "${PLOT_ARGS[@]}"
-    python - "$OUTPUT_DIR" <<'EOF'
+    "$PYTHON" -m megatron_rl.observability.plots "${PLOT_ARGS[@]}"
+    "$PYTHON" - "$OUTPUT_DIR" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
 for name, run_dir in (("with the calculator", out), ("without a tool", os.path.join(out, "no_tool"))):

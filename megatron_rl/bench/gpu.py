@@ -197,7 +197,7 @@ def handover_rank(spec, rank: int, bucket_bytes: int, seed: int = 0) -> dict:
     import torch.distributed as dist
 
     from megatron_rl.ddma.plan import make_plan
-    from megatron_rl.ddma.sync import publish
+    from megatron_rl.ddma.sync import publish, schedule
     from megatron_rl.ddma.transport import StagedTransport
     from megatron_rl.models import weight_map
     from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
@@ -227,6 +227,7 @@ def handover_rank(spec, rank: int, bucket_bytes: int, seed: int = 0) -> dict:
     want = {n: exact_checksum(weight_map.assemble(s, weight_map.slicer(hf))) for n, s in layouts.items()}
     return {"mismatched": sorted(n for n in want if checksums.get(n) != want[n]), "version": installer.weight_version,
             "commits": installer.commits, "peak_receive_bytes": peak, "shard_bytes": plan.shard_bytes(1),
+            "receive_peak_bound": schedule(plan, bucket_bytes).receive_peak(1, bucketed=True),
             "largest_tensor_bytes": max(plan.tensor_bytes(1, n) for n in layouts), "received": stats.bytes_received,
             "planned": plan.bytes_received(1), "seconds": stats.seconds, "install_seconds": install_s}
 

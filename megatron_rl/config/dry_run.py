@@ -107,7 +107,18 @@ def dry_run(args, world_size: int) -> dict:
         },
         "ddma": ddma,
         "micro_batches": _micro_batches(args),
-    }
+    } | ({"sglang_memory": _sglang_memory(setup)} if args.rollout_backend == "sglang" and transport != "gloo"
+         and not args.rollout_server_urls else {})
+
+
+def _sglang_memory(setup) -> dict:
+    """Replica 0's server memory on an 80 GB GPU (a launch plans with its GPUs' own size)."""
+    import dataclasses
+
+    from megatron_rl.rollout.sglang import replica_memory
+
+    memory = replica_memory(setup, 0, int(GPUS["A100/H100 80GB"] * 2**30))
+    return {**dataclasses.asdict(memory), "describe": memory.describe()}
 
 
 def expected_transport(args, world_size: int, trainer_world_size: int) -> tuple[str, str]:
@@ -191,6 +202,8 @@ def main(args) -> int:
           f"{d['estimated_seconds']:.2f} s (gather-and-broadcast: {d['baseline']['estimated_seconds']:.2f} s); "
           f"the busiest rank moves {d['rounds_of_busiest_rank']} rounds of at most --ddma-bucket-mb "
           f"{args.ddma_bucket_mb}, {ROUNDS_IN_FLIGHT} in flight: {d['max_in_flight_bytes'] / 2**30:.2f} GiB at once")
+    if "sglang_memory" in report:
+        print(f"generator GPU (replica 0, an 80 GB GPU): {report['sglang_memory']['describe']}")
     if moe:
         f = d["full_experts"]
         print(f"DDMA experts: a generator GPU receives {f['sharded_recv_bytes'] / 1e9:.2f} GB, its own experts; "

@@ -7,10 +7,12 @@ rank, runtime tensor, offset), `length` rows along the split dim. Resharding TP 
 group -> [q; k; v], fc1 -> [gate; up], row-parallel dims, vocab padding and PP stages all fall out of that
 intersection; no rank ever holds more than its own shard.
 
-Sources are spread: a piece held by several trainer ranks (DP replicas, and TP ranks for replicated norms)
-is sent by whichever of them has sent the fewest bytes so far, so DP replicas share the sending and every
-generator replica is fed in parallel. The plan is a pure function of the layouts, computed identically on
-every rank and cached.
+Sources are spread, and each generator rank has few: rows held by several trainer ranks (DP replicas, and TP ranks
+for replicated norms) come to a generator rank from one of those holders, the one that had sent the fewest bytes
+when that generator rank first needed rows from them, and from it for all such rows. So DP replicas share the
+sending (each feeds its share of the generator ranks), and a generator rank hears from one holder of each set of
+rows only: the fewer peers, the fewer tensors it has half-received at once (its receive buffers) and the fewer NCCL
+connections it opens. The plan is a pure function of the layouts, computed identically on every rank and cached.
 
 FP8: for a runtime weight that SGLang serves in block FP8, pieces whose rows (or columns) start and end on
 128 boundaries are quantized by the sender (half the bytes of bf16); if any piece of a tensor is not
@@ -196,7 +198,8 @@ def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayou
                         for offset, length, ranks, first, shift in tensor_rows)
         template[j] = rows
 
-    # Sources are spread: each piece goes to the holder that has sent the fewest bytes so far (ties: lowest rank).
+    # Sources are spread: a generator rank takes each set of holders' rows from the holder that had sent the fewest
+    # bytes when it first needed one of them (ties: lowest rank).
     sent = [0] * trainer.world_size
     bytes_sent = sent.__getitem__
     pieces: list[Piece] = []
@@ -205,8 +208,11 @@ def make_plan(spec: ModelSpec, trainer: TrainerLayout, generator: GeneratorLayou
         for j in range(gtp):
             dst = generator.rank(replica, j)
             runtime[dst] = runtime_by_tp[j]
+            sources: dict[tuple[int, ...], int] = {}  # this generator rank's holder of each set of holders
             for name, dst_offset, length, dim, row_numel, quantize, nbytes, ranks, first, shift in template[j]:
-                src = ranks[0] if len(ranks) == 1 else min(ranks, key=bytes_sent)
+                if ranks not in sources:
+                    sources[ranks] = min(ranks, key=bytes_sent)
+                src = sources[ranks]
                 sent[src] += nbytes
                 src_tensor, src_offset = first[src]
                 pieces.append(Piece(src, dst, src_tensor, src_offset + shift, name, dst_offset, length, dim,

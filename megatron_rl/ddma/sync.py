@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from collections import defaultdict
@@ -186,6 +187,23 @@ class Schedule:
             for m in members:
                 self._commits[m] = commits
         return self._commits[g]
+
+    def receive_peak(self, g: int, bucketed: bool) -> int:
+        """The most memory generator rank g holds for one update that it receives into fresh tensors (an engine
+        without `reusable_receive_buffers`): a runtime tensor is allocated when the round of its first piece is
+        posted and is the engine's until its commit (`bucketed`: the first of `commits(g)` at or after the round
+        of its last piece; else the end of the update); besides, staging for column pieces within the rounds in
+        flight (`in_flight_bound`, an upper bound)."""
+        first: dict[str, int] = {}
+        for rr in self.rounds(g):
+            for _, m in rr.recvs:
+                first.setdefault(m[0].dst_tensor, rr.index)
+        commits = self.commits(g) if bucketed else []
+        last = {name: k for k, names in self.completes(g).items() for name in names}
+        freed = {name: next((c for c in commits if c >= last[name]), math.inf) for name in first}
+        held = [sum(self.plan.tensor_bytes(g, n) for n, k0 in first.items() if k0 <= rr.index <= freed[n])
+                for rr in self.rounds(g)]
+        return max(held, default=0) + self.in_flight_bound(g)
 
     def in_flight_bound(self, rank: int) -> int:
         """The most bytes `rank` has posted and not finished at any time: its largest ROUNDS_IN_FLIGHT consecutive

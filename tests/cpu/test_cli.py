@@ -207,6 +207,14 @@ def test_example_scripts_parse_and_dry_run(script):
     if "tiny" not in report["model"]:  # a real model's script fits an 80 GB GPU at its longest micro-batch
         assert "A100/H100 80GB" in trainer["fits"], (trainer, r.stdout[-3000:])
         assert trainer["peak_gib"] > trainer["total_gib"] + trainer["activations_gib"] * 0.99
+        # its SGLang servers leave their generator ranks room, and still hold their weights
+        memory = report["sglang_memory"]
+        room = (1 - memory["fraction"]) * memory["gpu_bytes"]
+        assert room >= memory["sglang_reserve_bytes"] + memory["receive_bytes"] + memory["nccl_bytes"]
+        assert memory["fraction"] * memory["gpu_bytes"] > report["memory_per_gpu"]["generator"]["weights_gib"] * 2**30
+        assert "SGLang --mem-fraction-static" in r.stdout
+    if script in ("run_8b_aipo.sh", "run_qwen3_8b_aipo.sh"):  # one 8-GPU node unless NNODES says otherwise
+        assert report["world_size"] == 8 and report["rank_map"]["generators"]["replicas"] == 4
     if report["experts"]:  # the Qwen3 mixtures: active parameters, EP in the rank map, the expert comparison
         t, g = report["rank_map"]["trainer"], report["rank_map"]["generators"]
         assert report["active_parameters"] < report["parameters"]

@@ -124,6 +124,53 @@ class _RecordingStream:
         return entered()
 
 
+class _BucketEngine:
+    """An engine that installs in buckets and keeps nothing it was given past the next commit, as SGLang on GPUs."""
+
+    reusable_receive_buffers = False
+    installs_in_buckets = True
+
+    def __init__(self):
+        self.held, self.commits, self.weight_version = {}, 0, -1
+
+    def begin_weight_update(self):
+        self.held = {}
+
+    def load_weights(self, named_tensors, copy=True):
+        self.held.update(named_tensors)
+
+    def commit_bucket(self):
+        self.held, self.commits = {}, self.commits + 1
+
+    def end_weight_update(self, version):
+        self.held, self.weight_version = {}, version
+
+    def abort_weight_update(self):
+        self.held = {}
+
+
+class _LiveAllocations(torch.overrides.TorchFunctionMode):
+    """The bytes of the tensors made by torch.zeros / torch.empty while it is on and still alive, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.zeros, torch.empty):
+            nbytes = out.numel() * out.element_size()
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(out, self._freed, nbytes)
+        return out
+
+    def _freed(self, nbytes):
+        self.live -= nbytes
+
+
 def _background_publish():
     """Trainer rank 0 posts a publication; generator rank 1 starts receiving only after rank 0 says it got
     control back from `publish`. A publish that waited for its receiver would never say so (rank 1 would time
@@ -158,19 +205,31 @@ def _background_publish():
                           stream=stream, bucket_bytes=2**14)
         dist.send(posted + 1, 1, tag=99)
         pending.wait()
+        publish(plan, 0, version=2, trainer_tensors=tensors, bucket_bytes=2**12)
         return {"sent": transport.bytes_sent, "planned": plan.bytes_sent(0), "log": stream.log,
                 "main_thread": threading.main_thread().name,
                 "all_marked": stream.marked == {str(t.data_ptr()) for t in tensors.values()}}
     engine = LocalEngine(TPDecoder(TINY, 1, 0, None))
     dist.irecv(posted, 0, tag=99).wait(datetime.timedelta(seconds=60))
     publish(plan, 1, version=1, engine=engine, bucket_bytes=2**14)
-    return {"posted_first": posted.item() == 1,
+    bucketed, allocations = _BucketEngine(), _LiveAllocations()
+    with allocations:  # a second update into an engine that installs in buckets: what the receiver allocates
+        publish(plan, 1, version=2, engine=bucketed, bucket_bytes=2**12)
+    rounds = schedule(plan, 2**12)
+    return {"receive_peak": allocations.peak, "commits": bucketed.commits, "shard_bytes": plan.shard_bytes(1),
+            "receive_peak_bound": rounds.receive_peak(1, bucketed=True), "staging_bound": rounds.in_flight_bound(1),
+            "posted_first": posted.item() == 1,
             "equal": all(torch.equal(engine.decoder.params[n], weight_map.assemble(s, weight_map.slicer(hf)))
                          for n, s in weight_map.sglang_shards(TINY, 1, 0).items())}
 
 
-def test_a_background_publish_returns_before_the_generator_receives_and_runs_on_its_own_stream():
-    trainer, generator = run_on_ranks(_background_publish, 2)
+@pytest.fixture(scope="module")
+def background_publish():
+    return run_on_ranks(_background_publish, 2)
+
+
+def test_a_background_publish_returns_before_the_generator_receives_and_runs_on_its_own_stream(background_publish):
+    trainer, generator = background_publish
     assert generator["posted_first"]
     assert trainer["sent"] == trainer["planned"] and generator["equal"]
     # The training thread only records the event; the sending thread does everything else on the side stream, after
@@ -182,6 +241,18 @@ def test_a_background_publish_returns_before_the_generator_receives_and_runs_on_
     assert side[0] == "side stream current, waits for ready" and side[-1] == "side stream left"
     assert set(side[1:-1]) == {"post with the side stream current"} and len(side) > 3  # several rounds
     assert trainer["all_marked"]
+
+
+def test_the_receive_peak_the_sglang_memory_plan_leaves_room_for_is_what_a_bucketed_update_allocates(
+        background_publish):
+    """`Schedule.receive_peak` (what `rollout.sglang.memory` keeps outside SGLang's --mem-fraction-static) against the
+    bytes the receiving rank really allocated during an update into an engine that installs in 4 KiB buckets: at
+    least that, and no more than the staging of the rounds in flight above it."""
+    _, generator = background_publish
+    assert generator["commits"] > 3
+    assert generator["receive_peak"] <= generator["receive_peak_bound"]
+    assert generator["receive_peak"] >= generator["receive_peak_bound"] - generator["staging_bound"]
+    assert generator["receive_peak_bound"] < generator["shard_bytes"] / 2
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,8 @@ def test_weights_reach_an_installing_process_through_cuda_ipc_in_buckets():
     # the receiving rank's own GPU memory during the update: a few buckets, far from the shard's size
     assert generator["peak_receive_bytes"] <= 4 * BUCKET + generator["largest_tensor_bytes"]
     assert generator["peak_receive_bytes"] < generator["shard_bytes"] / 2
+    # what SGLang's --mem-fraction-static leaves room for (rollout.sglang.memory) bounds what the rank allocated
+    assert generator["peak_receive_bytes"] <= generator["receive_peak_bound"]
     assert trainer["sent"] == generator["received"] == generator["planned"]
 
 

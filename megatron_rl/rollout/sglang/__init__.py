@@ -40,6 +40,12 @@ def build_engine(setup: RunSetup, roles: Roles) -> SGLangEngine:
              **server_sizing(args.rollout_max_running, args.rollout_kv_cache_tokens),
              **setup.sglang_flags}
     url = args.rollout_server_urls[roles.replica] if args.rollout_server_urls else None
+    on_gpu = torch.device(roles.device).type == "cuda"
+    if on_gpu and url is None:
+        memory = replica_memory(setup, roles.replica, torch.cuda.get_device_properties(roles.device).total_memory)
+        flags["mem_fraction_static"] = memory.fraction
+        if roles.is_leader:
+            print(f"[megatron-rl] replica {roles.replica}: {memory.describe()}", flush=True)
     key = getattr(args, "sglang_api_key", None)  # an arguments.Secret: unwrapped only here, for the server's client
     return start_replica_engine(setup.spec, setup.generator.tensor_parallel_size, roles.replica_group,
                                 roles.is_leader, model_dir, os.path.join(directory, "server.log"), url=url,
@@ -53,8 +59,20 @@ def build_engine(setup: RunSetup, roles: Roles) -> SGLangEngine:
                                     in_place=args.rollout_pause_mode == "in_place",
                                     routing_replay=args.use_rollout_routing_replay),
                                 return_routed_experts=args.use_rollout_routing_replay, replica=roles.replica,
-                                install_in_buckets=torch.device(roles.device).type == "cuda",
+                                install_in_buckets=on_gpu,
                                 expert_parallel_size=setup.generator.expert_parallel_size)
+
+
+def replica_memory(setup: RunSetup, replica: int, gpu_bytes: int):
+    """The memory plan (`memory.ServerMemory`) of a launched replica's GPUs, of `gpu_bytes` each: the
+    --mem-fraction-static its server gets, leaving room for its generator ranks' DDMA buffers."""
+    from megatron_rl.ddma.sync import schedule
+    from megatron_rl.rollout.sglang.memory import server_memory
+
+    plan, layout = setup.plan(), setup.generator
+    ranks = [layout.rank(replica, j) for j in range(layout.tensor_parallel_size)]
+    return server_memory(plan, schedule(plan, setup.args.ddma_bucket_mb * 2**20), ranks, gpu_bytes, True,
+                         setup.sglang_flags)
 
 
 def server_sizing(max_running: int | None, kv_cache_tokens: int | None) -> dict:
