@@ -16,7 +16,8 @@ connections it opens. The plan is a pure function of the layouts, computed ident
 
 FP8: for a runtime weight that SGLang serves in block FP8, pieces whose rows (or columns) start and end on
 128 boundaries are quantized by the sender (half the bytes of bf16); if any piece of a tensor is not
-aligned, that tensor travels in the trainer's dtype and the generator quantizes it on receipt.
+aligned, that tensor travels in the trainer's dtype and the receiving rank quantizes it, with the same block
+quantizer, once it is complete (`Plan.quantized_on_receipt`): every engine is given FP8 values and their scales.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class Plan:
 
     def recvs(self, rank: int) -> list[Piece]:
         return self.by_rank.get(rank, {"recv": []})["recv"]
+
+    def quantized_on_receipt(self, name: str) -> bool:
+        """Whether runtime tensor `name` is an FP8 weight that travels in the trainer's dtype (a piece of it is not
+        aligned to 128-row blocks), which the receiver quantizes before its engine installs it."""
+        return self.generator.fp8 and is_fp8_weight(name) and name not in self.quantized_tensors
 
     def bytes_sent(self, rank: int) -> int:
         return sum(p.nbytes for p in self.sends(rank))

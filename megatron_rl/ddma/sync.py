@@ -321,12 +321,16 @@ class _Receiver:
 
     def take(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
         """The complete tensors `names` (with their FP8 scales), to give to the engine; a set that is not kept
-        forgets them."""
+        forgets them. An FP8 weight that arrived in the trainer's dtype is quantized here (block FP8, as the
+        sender quantizes aligned ones), so that no engine installs dense values into an FP8 parameter."""
         out = []
         for name in names:
             for n in (name, name + SCALE_SUFFIX):
                 if n in self.tensors:
                     out.append((n, self.tensors[n] if self.keep else self.tensors.pop(n)))
+            if self.plan.quantized_on_receipt(name):
+                values, scale_inv = quantize_block_fp8(out.pop()[1])
+                out += [(name, values), (name + SCALE_SUFFIX, scale_inv)]
         return out
 
 

@@ -15,6 +15,7 @@ from helpers import ROOT, mismatched_generator_tensors, random_hf_weights
 from megatron_rl.ddma.plan import make_plan, summarize
 from megatron_rl.ddma.sync import ROUNDS_IN_FLIGHT, message_bytes, schedule
 from megatron_rl.models import weight_map
+from megatron_rl.models.fp8 import SCALE_SUFFIX, quantize_block_fp8
 from megatron_rl.models.parallelism import GeneratorLayout, TrainerLayout
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.runtime.spawn import run_on_ranks
@@ -130,14 +131,18 @@ class _BucketEngine:
     reusable_receive_buffers = False
     installs_in_buckets = True
 
-    def __init__(self):
+    def __init__(self, record: bool = False):
         self.held, self.commits, self.weight_version = {}, 0, -1
+        self.received = {} if record else None  # everything it was given, when asked to keep a record
 
     def begin_weight_update(self):
         self.held = {}
 
     def load_weights(self, named_tensors, copy=True):
+        named_tensors = list(named_tensors)
         self.held.update(named_tensors)
+        if self.received is not None:
+            self.received.update(named_tensors)
 
     def commit_bucket(self):
         self.held, self.commits = {}, self.commits + 1
@@ -187,6 +192,7 @@ def _background_publish():
     from megatron_rl.rollout.local.engine import LocalEngine
 
     plan = make_plan(TINY, TrainerLayout(1, 1, 1, dtype_bytes=4), GeneratorLayout(1, 1, first_rank=1))
+    fp8_plan = make_plan(TINY, TrainerLayout(1, 1, 1, dtype_bytes=4), GeneratorLayout(1, 1, fp8=True, first_rank=1))
     hf = random_hf_weights(TINY, seed=3)
     posted = torch.zeros(1)
     if dist.get_rank() == 0:
@@ -206,6 +212,7 @@ def _background_publish():
         dist.send(posted + 1, 1, tag=99)
         pending.wait()
         publish(plan, 0, version=2, trainer_tensors=tensors, bucket_bytes=2**12)
+        publish(fp8_plan, 0, version=3, trainer_tensors=tensors, bucket_bytes=2**12)
         return {"sent": transport.bytes_sent, "planned": plan.bytes_sent(0), "log": stream.log,
                 "main_thread": threading.main_thread().name,
                 "all_marked": stream.marked == {str(t.data_ptr()) for t in tensors.values()}}
@@ -216,7 +223,18 @@ def _background_publish():
     with allocations:  # a second update into an engine that installs in buckets: what the receiver allocates
         publish(plan, 1, version=2, engine=bucketed, bucket_bytes=2**12)
     rounds = schedule(plan, 2**12)
-    return {"receive_peak": allocations.peak, "commits": bucketed.commits, "shard_bytes": plan.shard_bytes(1),
+    # FP8 generators: this tiny model's weights are not 128-row aligned, so the plan sends them dense; the engine
+    # (which, like SGLang, installs what it is given) must still get block-FP8 values and their scales.
+    recorder = _BucketEngine(record=True)
+    publish(fp8_plan, 1, version=3, engine=recorder, bucket_bytes=2**12)
+    fp8_weights = [n for n in fp8_plan.runtime[1] if fp8_plan.quantized_on_receipt(n)]
+    expected = {n: quantize_block_fp8(weight_map.assemble(s, weight_map.slicer(hf)))
+                for n, s in weight_map.sglang_shards(TINY, 1, 0).items() if n in fp8_weights}
+    got = recorder.received
+    return {"fp8_weights": len(fp8_weights), "sent_dense": not fp8_plan.quantized_tensors,
+            "fp8_equal": all(torch.equal(got[n].view(torch.uint8), q.view(torch.uint8))
+                             and torch.equal(got[n + SCALE_SUFFIX], s) for n, (q, s) in expected.items()),
+            "receive_peak": allocations.peak, "commits": bucketed.commits, "shard_bytes": plan.shard_bytes(1),
             "receive_peak_bound": rounds.receive_peak(1, bucketed=True), "staging_bound": rounds.in_flight_bound(1),
             "posted_first": posted.item() == 1,
             "equal": all(torch.equal(engine.decoder.params[n], weight_map.assemble(s, weight_map.slicer(hf)))
@@ -253,6 +271,14 @@ def test_the_receive_peak_the_sglang_memory_plan_leaves_room_for_is_what_a_bucke
     assert generator["receive_peak"] <= generator["receive_peak_bound"]
     assert generator["receive_peak"] >= generator["receive_peak_bound"] - generator["staging_bound"]
     assert generator["receive_peak_bound"] < generator["shard_bytes"] / 2
+
+
+def test_fp8_weights_the_plan_sends_dense_reach_the_engine_quantized_by_the_receiver(background_publish):
+    """An engine that installs what it is given (SGLang) gets block-FP8 values and scales, bit-equal to the project's
+    block quantizer applied to the weight, also where the plan sent the weight dense (pieces not 128-row aligned)."""
+    _, generator = background_publish
+    assert generator["sent_dense"] and generator["fp8_weights"] == 4 * TINY.num_layers
+    assert generator["fp8_equal"]
 
 
 @pytest.fixture(scope="module")
