@@ -90,32 +90,43 @@ def _packing_rank(steps: int) -> dict:
             "ideal_ratio": out["globally_padded"]["model_tokens"] / real}
 
 
-def _decode(batch: int, spec) -> float:
+def random_weights(shapes: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random bf16 weights (std 0.02) drawn on the GPU: a ~1B model's take seconds on a CPU, milliseconds here. The
+    same seed gives the same weights in every process on the same kind of GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return {n: torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+            for n, shape in shapes.items()}
+
+
+def _decode(spec) -> dict[str, float]:
+    """The built-in engine's decode tokens/s at each batch size of DECODE_BATCHES, one engine for all."""
     from megatron_rl.rollout.local.decoder import TPDecoder
     from megatron_rl.rollout.local.engine import LocalEngine
     from megatron_rl.rollout.types import SamplingParams
 
-    decoder = TPDecoder(spec, dtype=torch.bfloat16, max_slots=batch + 1, max_seq_len=DECODE_PROMPT + DECODE_TOKENS,
-                        device="cuda")
-    g = torch.Generator().manual_seed(0)
+    decoder = TPDecoder(spec, dtype=torch.bfloat16, max_slots=max(DECODE_BATCHES) + 1,
+                        max_seq_len=DECODE_PROMPT + DECODE_TOKENS, device="cuda")
     staged = {}
-    for name, (shape, _) in decoder.expected().items():
-        decoder.load(name, torch.randn(shape, generator=g) * 0.02, staged)
+    for name, tensor in random_weights({n: shape for n, (shape, _) in decoder.expected().items()}).items():
+        decoder.load(name, tensor, staged, copy=False)
     decoder.install(staged)
     engine = LocalEngine(decoder)
-    prompts = torch.randint(0, spec.vocab_size, (batch, DECODE_PROMPT), generator=g).tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=DECODE_TOKENS, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True))  # warm-up
-    for p in prompts:
-        engine.add_request(p, params)
-    engine.step()  # the prefill of the whole batch (and its first token)
-    torch.cuda.synchronize()
-    start, tokens = time.perf_counter(), 0
-    while engine.has_work():
-        tokens += engine.num_running
-        engine.step()
-    torch.cuda.synchronize()
-    return tokens / (time.perf_counter() - start)
+    engine.generate([[1] * DECODE_PROMPT], SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True))
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for batch in DECODE_BATCHES:
+        for p in torch.randint(0, spec.vocab_size, (batch, DECODE_PROMPT), generator=g).tolist():
+            engine.add_request(p, params)
+        engine.step()  # the prefill of the whole batch (and its first token)
+        torch.cuda.synchronize()
+        start, tokens = time.perf_counter(), 0
+        while engine.has_work():
+            tokens += engine.num_running
+            engine.step()
+        torch.cuda.synchronize()
+        out[f"batch_{batch}"] = tokens / (time.perf_counter() - start)
+    return out
 
 
 def _installer(conn, shapes: dict, dtype: torch.dtype) -> None:
@@ -205,12 +216,10 @@ def handover_rank(spec, rank: int, bucket_bytes: int, seed: int = 0) -> dict:
     torch.cuda.set_device(0)
     trainer, generator = TrainerLayout(1, 1, 1, dtype_bytes=2), GeneratorLayout(1, 1, first_rank=1)
     plan = make_plan(spec, trainer, generator)
-    g = torch.Generator().manual_seed(seed)
-    hf = {n: (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
-          for n, shape in weight_map.hf_shapes(spec).items()}
+    hf = random_weights(weight_map.hf_shapes(spec), seed)
     transport = StagedTransport()
     if rank == 0:
-        tensors = {n: weight_map.assemble(s, weight_map.slicer(hf)).to("cuda")
+        tensors = {n: weight_map.assemble(s, weight_map.slicer(hf))
                    for n, s in weight_map.megatron_shards(spec, trainer, 0, 0).items()}
         dist.barrier()  # the installer is up
         stats = publish(plan, 0, 1, trainer_tensors=tensors, transport=transport, bucket_bytes=bucket_bytes)
@@ -248,7 +257,7 @@ def _copy_gbps(nbytes: int = 2**30) -> float:
 def _weight_sync(spec) -> dict:
     from megatron_rl.runtime.spawn import run_on_ranks
 
-    trainer, generator = run_on_ranks(handover_rank, 2, spec, 256 * 2**20, timeout_s=600)
+    trainer, generator = run_on_ranks(handover_rank, 2, spec, 256 * 2**20, timeout_s=120)
     nbytes = generator["received"]
     return {"bytes": nbytes, "bucket_mb": 256, "commits": generator["commits"],
             "publish_gbps": nbytes / generator["seconds"] / 1e9,
@@ -267,11 +276,11 @@ def run(quick: bool = False) -> dict:
     spec = _spec()
     out = {"device": torch.cuda.get_device_name(), "model": f"random Llama, {spec.num_parameters() / 1e9:.2f}B "
            f"parameters ({spec.num_layers} layers, hidden {spec.hidden_size})",
-           "trainer": run_on_ranks(_trainer_rank, 1, 3 if quick else 6, backend="nccl", timeout_s=600)[0],
+           "trainer": run_on_ranks(_trainer_rank, 1, 3 if quick else 6, backend="nccl", timeout_s=120)[0],
            "trainer_batch": f"{SEQUENCES} sequences x {PROMPT + RESPONSE} tokens, micro-batch {MICRO_BATCH}, bf16, "
                             "local layer spec"}
-    out["trainer_packing"] = run_on_ranks(_packing_rank, 1, 2 if quick else 4, backend="nccl", timeout_s=900)[0]
-    out["engine_decode_tokens_per_s"] = {f"batch_{b}": _decode(b, spec) for b in DECODE_BATCHES}
+    out["trainer_packing"] = run_on_ranks(_packing_rank, 1, 2 if quick else 4, backend="nccl", timeout_s=120)[0]
+    out["engine_decode_tokens_per_s"] = _decode(spec)
     out["engine_decode"] = f"{DECODE_PROMPT}-token prompts, {DECODE_TOKENS} new tokens each, bf16, sampling at T=1"
     out["weight_sync"] = _weight_sync(spec)
     return out

@@ -9,8 +9,8 @@
 # math-verify with its parser), about 3 MB; .whl/ is git-ignored, so whatever copies the working tree to the GPU
 # machine must take it along. What runs: tests/gpu/ (a trainer step on the GPU against the CPU step,
 # the engine's greedy tokens against transformers on the GPU, its FP8 GEMM path, the tiny RL example on one GPU),
-# then `python -m megatron_rl.bench fp8` and `gpu` (a ~1B random Llama: trainer tokens/s and MFU, engine decode
-# tokens/s at batch 1/32/128). Results: $OUT (or ./) gpu_tier.log and bench_gpu.jsonl. On a machine without a GPU
+# then `python3 -m megatron_rl.bench fp8` and `gpu --quick` (a ~1B random Llama: trainer tokens/s and MFU, engine
+# decode tokens/s at batch 1/32/128). Results: $OUT (or ./) gpu_tier.log and bench_gpu.jsonl. On a machine without a GPU
 # it prints "no GPU: skipped" and exits 0.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -41,10 +41,14 @@ python3 - <<'PY' 2>&1 | tee "$out/gpu_tier.log"
 import torch
 print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
 PY
+# Within 8 minutes from a bare machine: the wheels (~15 s), then each phase under a limit of its own (270 + 40 +
+# 130 s), every test and benchmark process inside them bounded too (tests/gpu: 180 s a test at most).
+export PYTHON=python3  # the one interpreter, also for the examples the tests launch
 status=0
-python3 -m pytest -q -p no:cacheprovider -rA tests/gpu 2>&1 | tee -a "$out/gpu_tier.log" || status=1
-for bench in fp8 gpu; do
-    python3 -m megatron_rl.bench "$bench" --results-file "$out/bench_gpu.jsonl" 2>&1 | tee -a "$out/gpu_tier.log" \
-        || status=1
-done
+timeout 270 python3 -m pytest -q -p no:cacheprovider -rA --timeout 180 tests/gpu 2>&1 | tee -a "$out/gpu_tier.log" \
+    || status=1
+timeout 40 python3 -m megatron_rl.bench fp8 --results-file "$out/bench_gpu.jsonl" 2>&1 \
+    | tee -a "$out/gpu_tier.log" || status=1
+timeout 130 python3 -m megatron_rl.bench gpu --quick --results-file "$out/bench_gpu.jsonl" 2>&1 \
+    | tee -a "$out/gpu_tier.log" || status=1
 exit $status
