@@ -27,6 +27,7 @@ from megatron_rl.models.spec import get_model_spec
 from megatron_rl.rewards.types import RewardResult
 from megatron_rl.rollout import LocalEngine
 from megatron_rl.rollout.agent import (
+    AgentFailure,
     AgentRunner,
     AgentSample,
     EnvironmentFailure,
@@ -34,6 +35,7 @@ from megatron_rl.rollout.agent import (
     MultiTurn,
     ToolTurns,
     Trajectory,
+    TrajectoryLimits,
 )
 from megatron_rl.rollout.types import NOT_SAMPLED, RequestMeta, RolloutOutput, SamplingParams
 from megatron_rl.tools import (
@@ -103,34 +105,6 @@ def test_a_trajectory_through_the_engine_across_a_weight_update(tmp_path):
     assert crossed  # the update came in the middle of a trajectory (one of its calls was retracted and resumed)
 
 
-def test_a_program_that_breaks_the_limits_or_fails_is_excluded_with_the_reason():
-    async def too_long(sample, client):
-        trajectory = Trajectory(list(sample.prompt_token_ids))
-        trajectory.add_observation([5] * 50)
-        return trajectory
-
-    async def crashes(sample, client):
-        raise KeyError("state")
-
-    async def environment(sample, client):
-        raise EnvironmentFailure("sandbox worker crashed")
-
-    reasons = {}
-    for program in (too_long, crashes, environment):
-        runner = AgentRunner(program, None, max_context=128, vocab_size=200)
-        try:
-            runner.start(AgentSample("p#0", None, [1, 2], "", {}), SamplingParams(max_new_tokens=16))
-            while not (done := runner.take_finished()):
-                runner.wait(1.0)
-        finally:
-            runner.shutdown()
-        reasons[program.__name__] = done[0].trajectory["environment_failure"]
-    assert reasons == {
-        "too_long": "the trajectory has 50 tokens after its prompt, more than --rollout-max-response-len 16",
-        "crashes": "the rollout program raised KeyError: 'state'",
-        "environment": "sandbox worker crashed"}
-
-
 # ---- the tool loop on a chat template -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -161,7 +135,8 @@ def _loop(tokenizer, tools=("calculator",), **limits):
 
 def _run_loop(tokenizer, loop, script, budget=400):
     policy = ScriptedPolicy(tokenizer, script)
-    client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=budget, seed=1), tokenizer, 4096, budget)
+    client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=budget, seed=1), tokenizer,
+                              TrajectoryLimits(len(tokenizer), 4096, budget))
     sample = AgentSample("q#0", [{"role": "user", "content": "12*34+56=?"}], [1], "464", {})
     return asyncio.run(loop(sample, client)), policy
 
@@ -203,8 +178,8 @@ def test_an_openai_client_drives_a_tool_conversation_through_the_endpoint(chat_t
 
     async def agent():
         endpoint = OpenAIEndpoint(tok, [tok.eos_token_id])
-        client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=100, seed=1), tok, 4096, 300,
-                                  endpoint)
+        client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=100, seed=1), tok,
+                                  TrajectoryLimits(len(tok), 4096, 300), endpoint)
         session, other = await client.openai_session(), await client.openai_session()
         try:
             api = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
@@ -324,7 +299,7 @@ def test_the_sandbox_runs_code_and_its_own_failure_is_the_environments(tmp_path,
 
 def test_an_environment_failure_is_excluded_not_scored():
     failed = RolloutOutput("p#0", [1], [], [], [], "stop", loss_mask=[],
-                           trajectory=Trajectory([1]).summary("sandbox worker crashed"))
+                           trajectory=Trajectory([1]).summary(AgentFailure("environment", "sandbox worker crashed")))
     given = Trajectory([1])
     given.reward = 0.25
     scored = [failed, given.to_output("p#1")]
