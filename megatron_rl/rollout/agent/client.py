@@ -3,7 +3,7 @@
 A policy call is a request to this generator's engine like any other: it is decoded beside every other request,
 and a weight update pauses, retracts and resumes it, so one call's tokens may carry two versions. The client
 carries the run's sampling parameters and stop tokens, a seed per call derived from the sample's, and the limits:
-no call goes past --seq-length, and `sample` keeps a trajectory within its response budget
+no call goes past --seq-length, and `sample` and `observe` keep a trajectory within its response budget
 (--rollout-max-response-len, every token after the prompt, policy or not). What a program passes in is checked
 first (`boundary`): a bad call raises `InvalidInput` and never reaches the engine.
 """
@@ -77,12 +77,27 @@ class GenerationClient:
                           output.num_retractions)
 
     async def sample(self, trajectory: Trajectory, **overrides) -> Generation:
-        """The policy's next turn of `trajectory`, appended to it, within what is left of its response budget."""
+        """The policy's next turn of `trajectory`, appended to it, within what is left of its response budget (none
+        once `observe` ended it)."""
         left = self.response_budget - trajectory.num_response_tokens
-        if left <= 0:
+        if left <= 0 or trajectory.finish_reason == "length":
             trajectory.finish_reason = "length"
             return Generation([], [], [], "length")
         limit = boundary.sampling_params(self.sampling_params, overrides, self.limits.vocab_size).max_new_tokens
         generation = await self.generate(trajectory.token_ids, **{**overrides, "max_new_tokens": min(limit, left)})
         trajectory.add_policy(generation)
         return generation
+
+    def observe(self, trajectory: Trajectory, token_ids: list[int]) -> bool:
+        """Append tokens the policy did not sample (a tool's result, a user turn) if they leave room for another
+        policy token in the response budget and --seq-length; if not, end the trajectory as truncated (finish
+        reason "length", the tokens not appended: later `sample` calls return nothing) and return False. The
+        trajectory is kept either way, as the built-in tool loop keeps one whose tool turn does not fit."""
+        token_ids = boundary.token_ids(token_ids, "observation", self.limits.vocab_size, allow_empty=True)
+        fits = trajectory.num_response_tokens + len(token_ids) < self.response_budget and \
+            len(trajectory.token_ids) + len(token_ids) < self.max_context
+        if not fits or trajectory.finish_reason == "length":
+            trajectory.finish_reason = "length"
+            return False
+        trajectory.add_observation(token_ids)
+        return True
