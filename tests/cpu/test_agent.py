@@ -32,6 +32,7 @@ from megatron_rl.rollout.agent import (
     AgentSample,
     EnvironmentFailure,
     GenerationClient,
+    InvalidInput,
     MultiTurn,
     ToolTurns,
     Trajectory,
@@ -197,7 +198,7 @@ def test_an_openai_client_drives_a_tool_conversation_through_the_endpoint(chat_t
             edited = [*chat, {"role": "assistant", "content": "I know it"}, {"role": "user", "content": "go on"}]
             with pytest.raises(openai.BadRequestError, match="message 2 \\(assistant\\) is not the session's"):
                 await other_api.chat.completions.create(model="policy", messages=edited)
-            with pytest.raises(EnvironmentFailure, match="refused a request of the agent"):
+            with pytest.raises(InvalidInput, match="refused a request of the agent"):
                 other.trajectory  # noqa: B018 - the property raises
             completion = await client.openai_session()
             capi = openai.AsyncOpenAI(base_url=completion.base_url, api_key=session.api_key, max_retries=0)
@@ -221,10 +222,67 @@ def test_an_openai_client_drives_a_tool_conversation_through_the_endpoint(chat_t
     sampled = [t for t, m in zip(out.token_ids, out.loss_mask) if m]
     assert tok.decode(sampled) == call + "<|im_end|>" + answer + "<|im_end|>"
     assert out.trajectory["response"] == answer and out.trajectory["turns"] == 2
+    assert (out.trajectory["tool_calls"], out.trajectory["tool_errors"]) == (1, 0)  # counted as the tool loop does
     # completions: the prompt's tokens beyond the session's are appended as given, not sampled
     assert one.choices[0].text == "10" and two.choices[0].finish_reason == "length"
     assert completed.token_ids[:3] == [1, 2, 3] and completed.token_ids[-3:-1] == [7, 8]
     assert completed.to_output("c").loss_mask[-3:] == [False, False, True]
+
+
+def test_the_endpoint_stops_at_the_budget_as_the_tool_loop_does_and_keeps_the_trajectory(chat_tokenizer):
+    """Past a trajectory's response budget the endpoint answers finish_reason "length" with what fits, the turn
+    that does not fit left out, as the tool loop ends a trajectory whose tool turn does not fit: the trajectory is
+    kept, truncated, not excluded. Chat: a tool call, then a tool result with no room left; completions: an
+    answer cut to the room left, then tokens that do not fit."""
+    import openai
+
+    from megatron_rl.rollout.agent.boundary import check_trajectory
+    from megatron_rl.rollout.agent.openai_server import OpenAIEndpoint
+
+    tok = chat_tokenizer
+    call = format_tool_call("calculator", {"expression": "2"})
+    policy = ScriptedPolicy(tok, [call, "1234", "5678", "never asked"])
+    chat_limits = TrajectoryLimits(len(tok), 4096, len(tok.encode(call)) + 1 + 3)  # the call, its end, 3 more
+    completion_limits = TrajectoryLimits(len(tok), 4096, 5)
+
+    async def agents():
+        endpoint = OpenAIEndpoint(tok, [tok.eos_token_id])
+        sessions = []
+        for limits in (chat_limits, completion_limits):
+            client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=100, seed=1), tok, limits, endpoint)
+            sessions.append(await client.openai_session())
+        try:
+            api = openai.AsyncOpenAI(base_url=sessions[0].base_url, api_key=sessions[0].api_key, max_retries=0)
+            chat = [{"role": "user", "content": "2=?"}]
+            first = (await api.chat.completions.create(model="policy", messages=chat)).choices[0]
+            chat += [first.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": first.message.tool_calls[0].id, "content": "2"}]
+            second = (await api.chat.completions.create(model="policy", messages=chat)).choices[0]
+            chat += [second.message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+            third = (await api.chat.completions.create(model="policy", messages=chat)).choices[0]
+            api = openai.AsyncOpenAI(base_url=sessions[1].base_url, api_key=sessions[1].api_key, max_retries=0)
+            cut = await api.completions.create(model="policy", prompt=[1, 2, 3, 4], max_tokens=2)
+            ids = sessions[1].trajectory.token_ids
+            fits = await api.completions.create(model="policy", prompt=[*ids, 7])
+            ids = sessions[1].trajectory.token_ids
+            past = await api.completions.create(model="policy", prompt=[*ids, 8, 9])
+            return (first, second, third), (cut, fits, past), [s.trajectory for s in sessions]
+        finally:
+            await endpoint.stop()
+
+    (first, second, third), completions, (chatted, completed) = asyncio.run(agents())
+    assert first.finish_reason == "tool_calls"
+    assert [(c.finish_reason, c.message.content) for c in (second, third)] == [("length", "")] * 2
+    assert [(c.choices[0].finish_reason, c.usage.completion_tokens) for c in completions] == \
+        [("length", 2), ("length", 2), ("length", 0)]
+    assert [c.choices[0].text for c in completions] == ["12", "56", ""]  # cut to max_tokens, to the room left
+    for trajectory, limits, response in ((chatted, chat_limits, call), (completed, completion_limits, "56")):
+        check_trajectory(trajectory, limits)  # kept: nothing past the budget, nothing excluded
+        out = trajectory.to_output("q#0")
+        assert out.finish_reason == "length" and out.trajectory["response"] == response
+    assert (chatted.turns, chatted.tool_calls, chatted.num_response_tokens) == (1, 1, len(tok.encode(call)) + 1)
+    assert completed.num_response_tokens == 5 and completed.segments[1].token_ids == [7]
+    assert len(policy.prompts) == 3  # the calls that did not fit never reached the policy
 
 
 def test_tool_errors_are_observations_and_the_limits_end_the_trajectory(chat_tokenizer):

@@ -1,11 +1,13 @@
 """The agent boundary against hostile input, on the real engine (the tiny Llama, vocabulary 200): malformed
 trajectories and misbehaving rollout programs (every kind of `BaseException`, bad policy calls, wrong types and
-lengths, hangs) are each their own sample's failure with its reason, and the generator goes on. Nothing
-malformed reaches the engine: an out-of-vocabulary id there would crash its step."""
+lengths, hangs) are each their own sample's failure with its reason, and the generator goes on; the OpenAI
+endpoint answers every malformed request with a 4xx that names the field, never a 5xx, and still serves the next
+agent. Nothing malformed reaches the engine: an out-of-vocabulary id there would crash its step."""
 
 import asyncio
 import contextlib
 import gc
+import json
 import math
 import os
 import threading
@@ -16,7 +18,7 @@ from helpers import drive_agents, policy_turns
 from megatron_rl.models.hf import save_random_hf_model
 from megatron_rl.models.spec import get_model_spec
 from megatron_rl.rollout import LocalEngine
-from megatron_rl.rollout.agent import AgentRunner, AgentSample, EnvironmentFailure, Segment, Trajectory
+from megatron_rl.rollout.agent import AgentRunner, AgentSample, EnvironmentFailure, InvalidInput, Segment, Trajectory
 from megatron_rl.rollout.types import SamplingParams
 
 LLAMA = get_model_spec("tiny-llama").replace(name="tiny-llama-v200", vocab_size=200)
@@ -246,3 +248,128 @@ def test_a_program_that_hangs_times_out_with_its_reason_and_the_others_go_on():
     timed_out = ("timeout", "the rollout program ran longer than --rollout-program-timeout 1 s")
     assert {o.request_id: (o.trajectory["failure_kind"], o.trajectory["environment_failure"]) for o in outputs} == {
         "waits#0": timed_out, "asleep#0": timed_out, "stubborn#0": timed_out, "quick#0": (None, None)}
+
+
+# ---- the OpenAI endpoint ---------------------------------------------------------------------------------------------
+
+def _chat(*messages, **fields) -> dict:
+    return {"messages": list(messages), **fields}
+
+
+USER = {"role": "user", "content": "1+1=?"}
+CALLED = {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "a", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}]}
+NESTED = b"[" * 100_000 + b"]" * 100_000
+# (name, path, body, status, what the error message says)
+REQUESTS = [
+    ("not JSON", "completions", b"{not json", 400, "the request body is not JSON"),
+    ("empty body", "completions", b"", 400, "the request body is not JSON"),
+    ("invalid UTF-8", "completions", b'{"prompt": "\xff\xfe"}', 400, "the request body is not UTF-8"),
+    ("a lone surrogate", "completions", b'{"prompt": "\\ud800"}', 400, "prompt is not valid Unicode"),
+    ("a JSON array", "completions", b"[1, 2]", 400, "the request body must be a JSON object, got list"),
+    ("nested 100,000 deep", "completions", NESTED, 400, "the request body is nested too deeply"),
+    ("nested in a prompt", "completions", b'{"prompt": ' + NESTED + b"}", 400, "nested too deeply"),
+    ("larger than the limit", "completions", b" " * (64 * 2**20 + 1), 413, "larger than 67108864 bytes"),
+    ("an id outside the vocabulary", "completions", {"prompt": [1_000_000]}, 400,
+     "prompt[0] = 1000000 is outside the vocabulary [0, 200)"),
+    ("a negative id", "completions", {"prompt": [3, -1]}, 400, "prompt[1] = -1 is outside the vocabulary"),
+    ("a float id", "completions", {"prompt": [1.5]}, 400, "prompt[0] is float 1.5: token ids are ints"),
+    ("a bool id", "completions", {"prompt": [True]}, 400, "prompt[0] is bool True"),
+    ("ids in a list", "completions", {"prompt": [[1, 2]]}, 400, "prompt[0] is list"),
+    ("no prompt", "completions", {}, 400, "'prompt' must be a string or a list of token ids"),
+    ("an empty prompt", "completions", {"prompt": []}, 400, "prompt is empty"),
+    ("an empty text prompt", "completions", {"prompt": ""}, 400, "prompt is empty"),
+    ("a prompt longer than the context", "completions", {"prompt": [1] * 5000}, 400,
+     "the prompt has 5000 tokens: no room for an answer within --seq-length 128"),
+    ("max_tokens true", "completions", {"prompt": [1], "max_tokens": True}, 400,
+     "'max_tokens' must be a positive integer, got True"),
+    ("max_tokens 0", "completions", {"prompt": [1], "max_tokens": 0}, 400, "'max_tokens' must be a positive"),
+    ("max_tokens a string", "completions", {"prompt": [1], "max_tokens": "8"}, 400, "'max_tokens' must be"),
+    ("max_tokens NaN", "completions", b'{"prompt": [1], "max_tokens": NaN}', 400, "'max_tokens' must be"),
+    ("n 2", "completions", {"prompt": [1], "n": 2}, 400, "'n' must be 1"),
+    ("n true", "completions", {"prompt": [1], "n": True}, 400, "'n' must be 1"),
+    ("stream", "completions", {"prompt": [1], "stream": True}, 400, "'stream' is not supported"),
+    ("stop strings", "completions", {"prompt": [1], "stop": ["\n"]}, 400, "'stop' strings are not supported"),
+    ("no messages", "chat/completions", {}, 400, "'messages' must be a non-empty list"),
+    ("messages a string", "chat/completions", {"messages": "hi"}, 400, "'messages' must be a non-empty list"),
+    ("a message a string", "chat/completions", _chat("hi"), 400,
+     "messages[0] must be a message object, got str"),
+    ("no role", "chat/completions", _chat({"content": "hi"}), 400,
+     "messages[0].role must be one of ['system', 'user', 'assistant', 'tool'], got None"),
+    ("an unknown role", "chat/completions", _chat({"role": "wizard", "content": "hi"}), 400,
+     "messages[0].role must be one of"),
+    ("content a number", "chat/completions", _chat({"role": "user", "content": 5}), 400,
+     "messages[0].content must be a string or a list of text parts, got int"),
+    ("an image part", "chat/completions",
+     _chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}), 400,
+     "messages[0].content[0] must be"),
+    ("tool_calls not a list", "chat/completions", _chat(USER, {**CALLED, "tool_calls": "calculator"}), 400,
+     "messages[1].tool_calls must be a list, got str"),
+    ("a tool call without a function", "chat/completions", _chat(USER, {**CALLED, "tool_calls": [{"id": "a"}]}),
+     400, "messages[1].tool_calls[0] must be"),
+    ("tool call arguments a number", "chat/completions",
+     _chat(USER, {**CALLED, "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}), 400,
+     "messages[1].tool_calls[0].function.arguments must be a JSON string or an object, got int"),
+    ("tool_calls on a user message", "chat/completions", _chat({**USER, "tool_calls": []}), 400,
+     "messages[0]: only an assistant message has tool_calls"),
+    ("tool content a dict", "chat/completions", _chat(USER, CALLED, {"role": "tool", "content": {"x": 1}}), 400,
+     "messages[2].content must be a string or a list of text parts, got dict"),
+    ("tool_call_id a number", "chat/completions", _chat(USER, CALLED, {"role": "tool", "content": "2",
+                                                                       "tool_call_id": 7}), 400,
+     "messages[2].tool_call_id must be a string, got int"),
+    ("tools not a list", "chat/completions", _chat(USER, tools="calculator"), 400, "'tools' must be a list"),
+    ("a huge message", "chat/completions", _chat({"role": "user", "content": "1" * 200_000}), 400,
+     "no room for an answer within --seq-length 128"),
+    ("max_completion_tokens -1", "chat/completions", _chat(USER, max_completion_tokens=-1), 400,
+     "'max_completion_tokens' must be a positive integer, got -1"),
+]
+
+
+def test_the_endpoint_answers_every_malformed_request_with_a_4xx_and_serves_the_next_agent(engine):
+    """Each malformed request on a session of its own (a refused session stays refused, and its trajectory is then
+    excluded as invalid input); a wrong key and an unknown session too. Then an agent with the real `openai`
+    client gets its answers from the engine, which none of the malformed requests reached."""
+    import aiohttp
+    import openai
+
+    from megatron_rl.data.tasks import tool_arithmetic
+
+    tokenizer = tool_arithmetic.build_tokenizer()
+    answers, refused = [], []
+
+    async def program(sample, client):
+        async with aiohttp.ClientSession() as http:
+            for name, path, body, _, _ in REQUESTS:
+                session = await client.openai_session()
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                async with http.post(f"{session.base_url}/{path}", data=data,
+                                     headers={"Authorization": f"Bearer {session.api_key}"}) as r:
+                    answers.append((name, r.status, (await r.json())["error"]["message"]))
+                with pytest.raises(InvalidInput) as e:
+                    session.trajectory  # noqa: B018 - the property raises
+                refused.append(str(e.value))
+            for name, key, sid in (("a wrong key", "wrong", session.base_url),
+                                   ("an unknown session", session.api_key, session.base_url.replace("/sessions/",
+                                                                                                   "/sessions/x"))):
+                async with http.post(f"{sid}/completions", json={"prompt": [1]},
+                                     headers={"Authorization": f"Bearer {key}"}) as r:
+                    answers.append((name, r.status, (await r.json())["error"]["message"]))
+        session = await client.openai_session()
+        api = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        reply = await api.chat.completions.create(model="policy", messages=[USER], max_tokens=4)
+        answers.append(("well-formed", 200, reply.choices[0].finish_reason))
+        return session.trajectory
+
+    runner = AgentRunner(program, tokenizer, max_context=128, vocab_size=LLAMA.vocab_size,
+                         end_of_turn_ids=[tokenizer.eos_token_id], program_timeout_s=300)
+    try:
+        [output] = drive_agents(engine, runner, [AgentSample("fuzz#0", None, PROMPT, "", {})], PARAMS)
+    finally:
+        runner.shutdown()
+    for (name, _, _, status, message), (got_name, got_status, got_message) in zip(REQUESTS, answers):
+        assert (got_name, got_status) == (name, status) and message in got_message, (name, got_status, got_message)
+    assert [(n, s) for n, s, _ in answers[len(REQUESTS):]] == [("a wrong key", 401), ("an unknown session", 404),
+                                                               ("well-formed", 200)]
+    assert all(r.startswith("the OpenAI endpoint refused a request of the agent: ") for r in refused)
+    assert output.trajectory["environment_failure"] is None and output.trajectory["turns"] == 1
+    assert 1 <= len(output.token_ids) <= 4 and all(output.loss_mask)
