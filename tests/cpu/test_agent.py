@@ -31,6 +31,7 @@ from megatron_rl.rollout.agent import (
     AgentRunner,
     AgentSample,
     EnvironmentFailure,
+    Generation,
     GenerationClient,
     InvalidInput,
     MultiTurn,
@@ -376,6 +377,16 @@ def test_an_environment_failure_is_excluded_not_scored():
     batch = buffer.take(1, 0)
     assert [reason for _, reason in batch.outcomes] == ["infrastructure failure: environment-failure",
                                                         "group too small after gates"]
+    # versions later, a failed trajectory (no policy token) is still excluded for its failure, not as stale, and
+    # has no lag to count
+    sampled, later = Trajectory([1]), RolloutBuffer(3, 1)
+    sampled.add_policy(Generation([5], [-0.5], [4], "stop"))
+    later.add(Rollout(failed, RequestMeta("q", 0, "1", False, 0.0), results[0]))
+    for k in (1, 2):
+        later.add(Rollout(sampled.to_output(f"q#{k}"), RequestMeta("q", k, "1", False, 0.0), RewardResult(k, "scored")))
+    batch = later.take(1, 5)
+    assert [reason for _, reason in batch.outcomes][0] == "infrastructure failure: environment-failure"
+    assert len(batch.groups[0]) == 2 and batch.lag_histogram == {1: 2} and batch.popped == 1
     rewards, environment = RewardFailures(3), environment_failures(3)
     for _ in range(2):
         rewards.check(results[:1])
