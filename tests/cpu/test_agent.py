@@ -433,7 +433,7 @@ def test_a_rollout_program_from_a_file_trains_its_trajectories_scored_by_a_rewar
     for row in consumed:
         assert row["reward_status"] == "scored"  # the math reward would find no answer in these responses
         assert row["trajectory"] == {"turns": 2, "tool_calls": 0, "tool_errors": 0, "policy_tokens": 6,
-                                     "environment_failure": None}
+                                     "environment_failure": None, "failure_kind": None}
         assert row["response_tokens"] == 6 + observation
         assert row["versions"][3:3 + observation] == [NOT_SAMPLED] * observation  # the observation
         assert row["lag"] == row["consumed_at_version"] - min(v for v in row["versions"] if v != NOT_SAMPLED)
