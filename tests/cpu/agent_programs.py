@@ -1,6 +1,13 @@
 """Rollout programs for the agent tests, loaded by --custom-generate-function-path from this file."""
 
+import asyncio
+import contextlib
+import os
+
 from megatron_rl.rollout.agent import EnvironmentFailure, Trajectory
+from megatron_rl.runtime import plugins
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 OBSERVATION = " obs "
 
@@ -17,3 +24,28 @@ async def two_turns(sample, client):
 
 async def environment_down(sample, client):
     raise EnvironmentFailure("the tool server is unreachable")
+
+
+RECIPE = os.path.join(ROOT, "examples", "chat_program.py") + ":generate"
+_hung: set[str] = set()
+
+
+async def hostile_chat(sample, client):
+    """examples/chat_program.py on chat data, except: sample 3 of each training prompt sends a token id outside the
+    vocabulary through the OpenAI endpoint (refused: the sample is excluded), sample 2 raises, and the first
+    evaluation sample of the run waits for an event that never fires (--rollout-program-timeout ends it)."""
+    index = int(sample.request_id.rsplit("#", 1)[1])
+    if sample.is_eval and not _hung:
+        _hung.add(sample.request_id)
+        await asyncio.Event().wait()
+    if not sample.is_eval and index == 3:
+        import openai
+
+        session = await client.openai_session()
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0) as api:
+            with contextlib.suppress(openai.BadRequestError):
+                await api.completions.create(model="policy", prompt=[client.limits.vocab_size + 5])
+        return session.trajectory
+    if not sample.is_eval and index == 2:
+        raise ValueError("the environment's state is inconsistent")
+    return await plugins.load(RECIPE, "the recipe")(sample, client)

@@ -442,6 +442,63 @@ def test_a_rollout_program_from_a_file_trains_its_trajectories_scored_by_a_rewar
     assert account(str(tmp_path))["problems"] == []
 
 
+def test_hostile_agents_on_chat_data_are_excluded_one_by_one_and_every_sample_is_accounted_for(tmp_path):
+    """A launch on chat data with the recipe (examples/chat_program.py: two turns through the OpenAI endpoint and
+    the real `openai` client) in which sample 3 of every prompt sends a token id outside the vocabulary, sample 2
+    raises and the first evaluation sample hangs: the run finishes; each bad sample is excluded with its reason in
+    the ledger, counted by kind in its step's metrics, the hang's reason in eval.json, the exception's traceback in
+    the log; the others are trained on both turns; the accounting finds every sample, and finds a reason that is
+    taken out of the ledger missing."""
+    import shutil
+
+    from megatron_rl.data.tasks import tool_arithmetic
+    from megatron_rl.observability.accounting import account
+
+    data, out = tmp_path / "data", tmp_path / "run"
+    tool_arithmetic.write(str(data), train=16, eval_size=2, seed=0)
+    r = _launch(out, "--train-iters", "2", "--custom-generate-function-path", f"{PROGRAMS}:hostile_chat",
+                "--model", "tiny-arith", "--tokenizer", str(data / "tokenizer"), "--seq-length", "128",
+                "--prompt-data", str(data / "train.jsonl"), "--input-key", "messages", "--label-key", "answer",
+                "--apply-chat-template", "--eval-prompt-data", "heldout", str(data / "eval.jsonl"),
+                "--rollout-max-response-len", "48", "--rollout-program-timeout", "3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "rollouts.jsonl")]
+    consumed = [row for row in rows if row["event"] in ("trained", "discarded")]
+    assert len(consumed) == 8 * 2
+    for row in consumed:
+        t = row["trajectory"]
+        if row["sample_index"] == 3:
+            refused = re.fullmatch(r"the rollout program's input was refused: the OpenAI endpoint refused a request "
+                                   r"of the agent: prompt\[0\] = (\d+) is outside the vocabulary \[0, (\d+)\)",
+                                   t["environment_failure"])
+            assert t["failure_kind"] == "invalid-input" and refused and int(refused[1]) == int(refused[2]) + 5, t
+        elif row["sample_index"] == 2:
+            assert (t["failure_kind"], t["environment_failure"]) == (
+                "program-error", "the rollout program raised ValueError: the environment's state is inconsistent")
+        else:
+            assert row["event"] == "trained" and t["environment_failure"] is None and t["turns"] == 2, row
+            continue
+        assert (row["event"], row["outcome"]) == ("discarded", "infrastructure failure: environment-failure")
+    assert "Traceback (most recent call last)" in r.stderr and "in hostile_chat" in r.stderr
+    steps = [json.loads(line)["rollout"] for line in open(out / "metrics.jsonl") if '"rollout"' in line]
+    assert [(m["agent_failures"], m["agent_environment_failures"], m["agent_turns_mean"]) for m in steps] == \
+        [({"invalid-input": 2, "program-error": 2}, 4, 2.0)] * 2
+    heldout = json.loads((out / "eval.json").read_text())["eval_sets"]["heldout"]
+    assert heldout["before_rl"]["failure_reasons"] == {
+        "environment-failure: the rollout program ran longer than --rollout-program-timeout 3 s": 1}
+    assert heldout["after_rl"]["failures"] == 0
+    report = account(str(out))
+    assert report["problems"] == [] and report["agent_failures"] == {"invalid-input": 4, "program-error": 4}
+    # a failure whose reason is lost is found
+    shutil.copytree(out, tmp_path / "tampered")
+    failed = next(i for i, row in enumerate(rows) if row.get("trajectory", {}).get("environment_failure"))
+    rows[failed]["trajectory"]["environment_failure"] = None
+    (tmp_path / "tampered" / "rollouts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    problems = account(str(tmp_path / "tampered"))["problems"]
+    assert len(problems) == 2 and "1 samples of a failed environment without the failure's reason" in problems[0]
+    assert f"step {rows[failed]['step']} counted the agent failures" in problems[1]
+
+
 @pytest.mark.slow  # a launch (about 10 s); the failure rule itself is tested above without one
 def test_a_run_whose_environment_always_fails_stops_with_the_reason(tmp_path):
     r = _launch(tmp_path, "--train-iters", "2", "--custom-generate-function-path", f"{PROGRAMS}:environment_down",
