@@ -63,13 +63,14 @@ def summarize(eval_set: EvalSet, results: dict, n_samples: int) -> dict:
     return out
 
 
-def failure_reasons(failed: list) -> dict[str, int]:
-    """How many samples each reason kept from being scored ("status: detail"): the MAX_REASONS most frequent, the
-    rest under "other reasons"."""
+def failure_reasons(failed: list) -> list[dict]:
+    """How many samples each reason kept from being scored, most frequent first: {"reason": "status: detail",
+    "samples": n} for the MAX_REASONS most frequent, the rest as "other reasons". (A list: free text is no metric
+    name for wandb or tensorboard.)"""
     reasons = Counter(f"{r.status}: {r.detail}" if r.detail else r.status for r in failed)
-    out = dict(reasons.most_common(MAX_REASONS))
+    out = [{"reason": reason, "samples": n} for reason, n in reasons.most_common(MAX_REASONS)]
     if len(reasons) > MAX_REASONS:
-        out["other reasons"] = sum(reasons.values()) - sum(out.values())
+        out.append({"reason": "other reasons", "samples": sum(reasons.values()) - sum(r["samples"] for r in out)})
     return out
 
 
@@ -78,7 +79,7 @@ def describe(name: str, summary: dict) -> str:
     passes = "".join(f", {k} {v:.3f}" for k, v in summary.items() if k.startswith("pass@"))
     reasons = summary.get("failure_reasons")  # (absent from the evaluations of older checkpoints)
     failed = f", {summary['failures']} samples not scored" if summary["failures"] else ""
-    failed += f", most for {next(iter(reasons))}" if failed and reasons else ""
+    failed += f", most for {reasons[0]['reason']}" if failed and reasons else ""
     return f"eval {name}: accuracy {accuracy}{passes} ({summary['problems']} problems x " \
            f"{summary['samples'] // summary['problems']} samples{failed})"
 

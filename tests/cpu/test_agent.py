@@ -484,8 +484,9 @@ def test_hostile_agents_on_chat_data_are_excluded_one_by_one_and_every_sample_is
     assert [(m["agent_failures"], m["agent_environment_failures"], m["agent_turns_mean"]) for m in steps] == \
         [({"invalid-input": 2, "program-error": 2}, 4, 2.0)] * 2
     heldout = json.loads((out / "eval.json").read_text())["eval_sets"]["heldout"]
-    assert heldout["before_rl"]["failure_reasons"] == {
-        "environment-failure: the rollout program ran longer than --rollout-program-timeout 3 s": 1}
+    assert heldout["before_rl"]["failure_reasons"] == [
+        {"reason": "environment-failure: the rollout program ran longer than --rollout-program-timeout 3 s",
+         "samples": 1}]
     assert heldout["after_rl"]["failures"] == 0
     report = account(str(out))
     assert report["problems"] == [] and report["agent_failures"] == {"invalid-input": 4, "program-error": 4}
