@@ -16,8 +16,14 @@ policy's turns are never tokenized again. An answer's `<tool_call>` blocks come 
 `POST .../completions` takes the prompt as token ids (or text, tokenized), which must begin with the session's
 tokens so far. The run's sampling parameters apply (the behavior log-probs must be those the trainer's
 correction assumes): `temperature`, `top_p` and the like are not taken from the request; `max_tokens` caps a
-call within the trajectory's budget. A request that does not continue its session is refused (HTTP 400) and
-the session's trajectory becomes an environment failure.
+call within the trajectory's budget. At the budget the endpoint stops as the tool loop does (`client.observe`):
+what does not fit is left out and the call answers finish_reason "length"; the trajectory is kept, truncated.
+The tool calls of chat answers are counted in the trajectory.
+
+Every request is checked field by field first (`openai_requests`). A malformed one, or one that does not continue
+its session, is refused with HTTP 400 naming the field (413: a body too large), never a 500, and fails the
+session: its `trajectory` raises `InvalidInput` and the sample is excluded. 503: the environment (the engine)
+failed. aiohttp is imported only when the endpoint starts.
 """
 
 from __future__ import annotations
