@@ -30,14 +30,19 @@ RECIPE = os.path.join(ROOT, "examples", "chat_program.py") + ":generate"
 _hung: set[str] = set()
 
 
-async def hostile_chat(sample, client):
-    """examples/chat_program.py on chat data, except: sample 3 of each training prompt sends a token id outside the
-    vocabulary through the OpenAI endpoint (refused: the sample is excluded), sample 2 raises, and the first
-    evaluation sample of the run waits for an event that never fires (--rollout-program-timeout ends it)."""
+async def chat_agents(sample, client):
+    """By sample index: 0 `two_turns`, 1 the recipe on chat data (examples/chat_program.py: through the OpenAI
+    endpoint), 2 raises, 3 sends a token id outside the vocabulary through the endpoint (refused: the sample is
+    excluded). The first evaluation sample of the run waits for an event that never fires (--rollout-program-timeout
+    ends it); the other evaluation samples run the recipe."""
     index = int(sample.request_id.rsplit("#", 1)[1])
     if sample.is_eval and not _hung:
         _hung.add(sample.request_id)
         await asyncio.Event().wait()
+    if not sample.is_eval and index == 0:
+        return await two_turns(sample, client)
+    if not sample.is_eval and index == 2:
+        raise ValueError("the environment's state is inconsistent")
     if not sample.is_eval and index == 3:
         import openai
 
@@ -46,6 +51,4 @@ async def hostile_chat(sample, client):
             with contextlib.suppress(openai.BadRequestError):
                 await api.completions.create(model="policy", prompt=[client.limits.vocab_size + 5])
         return session.trajectory
-    if not sample.is_eval and index == 2:
-        raise ValueError("the environment's state is inconsistent")
     return await plugins.load(RECIPE, "the recipe")(sample, client)

@@ -414,41 +414,15 @@ def _launch(out_dir, *flags, env=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def test_a_rollout_program_from_a_file_trains_its_trajectories_scored_by_a_reward_server(tmp_path):
-    from megatron_rl.data.tokenizer import build_char_tokenizer
-    from megatron_rl.observability.accounting import account
-
-    with reward_server() as server:  # the rewards come from a reward server (--rm-url)
-        r = _launch(tmp_path, "--train-iters", "3", "--custom-generate-function-path", f"{PROGRAMS}:two_turns",
-                    "--rm-url", server.url("/score"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "rollouts.jsonl")]
-    consumed = [row for row in rows if row["event"] == "trained"]
-    observation = len(build_char_tokenizer().encode(" obs ", add_special_tokens=False))
-    assert len(consumed) == 8 * 3
-    asked = server.requests["/score"]
-    assert all(body["metadata"]["program"] == "two_turns" and " obs " in body["response"] for body in asked)
-    served = collections.Counter(float(str(body["label"]) in body["response"]) for body in asked)
-    assert collections.Counter(row["reward"] for row in consumed) <= served
-    for row in consumed:
-        assert row["reward_status"] == "scored"  # the math reward would find no answer in these responses
-        assert row["trajectory"] == {"turns": 2, "tool_calls": 0, "tool_errors": 0, "policy_tokens": 6,
-                                     "environment_failure": None, "failure_kind": None}
-        assert row["response_tokens"] == 6 + observation
-        assert row["versions"][3:3 + observation] == [NOT_SAMPLED] * observation  # the observation
-        assert row["lag"] == row["consumed_at_version"] - min(v for v in row["versions"] if v != NOT_SAMPLED)
-    metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [m["rollout"]["agent_turns_mean"] for m in metrics] == [2.0] * 3
-    assert account(str(tmp_path))["problems"] == []
-
-
-def test_hostile_agents_on_chat_data_are_excluded_one_by_one_and_every_sample_is_accounted_for(tmp_path):
-    """A launch on chat data with the recipe (examples/chat_program.py: two turns through the OpenAI endpoint and
-    the real `openai` client) in which sample 3 of every prompt sends a token id outside the vocabulary, sample 2
-    raises and the first evaluation sample hangs: the run finishes; each bad sample is excluded with its reason in
-    the ledger, counted by kind in its step's metrics, the hang's reason in eval.json, the exception's traceback in
-    the log; the others are trained on both turns; the accounting finds every sample, and finds a reason that is
-    taken out of the ledger missing."""
+def test_rollout_programs_from_a_file_on_chat_data_are_trained_or_excluded_with_their_reasons(tmp_path):
+    """One launch on chat data, rewards from a reward server (--rm-url), the programs of a file by sample index:
+    `two_turns` (an observation between two sampled turns), the recipe (examples/chat_program.py: two turns
+    through the OpenAI endpoint and the real `openai` client), one that raises, one that sends a token id outside
+    the vocabulary through the endpoint; the first evaluation sample hangs. The run finishes. The good
+    trajectories are trained as they were sampled; each bad sample is excluded with its reason in the ledger,
+    counted by kind in its step's metrics (which average the good ones only), the hang's reason is in eval.json,
+    the exception's traceback in the log; the accounting finds every sample, and a reason taken out of the
+    ledger missing."""
     import shutil
 
     from megatron_rl.data.tasks import tool_arithmetic
@@ -456,30 +430,41 @@ def test_hostile_agents_on_chat_data_are_excluded_one_by_one_and_every_sample_is
 
     data, out = tmp_path / "data", tmp_path / "run"
     tool_arithmetic.write(str(data), train=16, eval_size=2, seed=0)
-    r = _launch(out, "--train-iters", "2", "--custom-generate-function-path", f"{PROGRAMS}:hostile_chat",
-                "--model", "tiny-arith", "--tokenizer", str(data / "tokenizer"), "--seq-length", "128",
-                "--prompt-data", str(data / "train.jsonl"), "--input-key", "messages", "--label-key", "answer",
-                "--apply-chat-template", "--eval-prompt-data", "heldout", str(data / "eval.jsonl"),
-                "--rollout-max-response-len", "48", "--rollout-program-timeout", "3")
+    with reward_server() as server:
+        r = _launch(out, "--train-iters", "2", "--custom-generate-function-path", f"{PROGRAMS}:chat_agents",
+                    "--rm-url", server.url("/score"), "--model", "tiny-arith", "--tokenizer", str(data / "tokenizer"),
+                    "--seq-length", "128", "--prompt-data", str(data / "train.jsonl"), "--input-key", "messages",
+                    "--label-key", "answer", "--apply-chat-template", "--eval-prompt-data", "heldout",
+                    str(data / "eval.jsonl"), "--rollout-max-response-len", "48", "--rollout-program-timeout", "3")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "rollouts.jsonl")]
     consumed = [row for row in rows if row["event"] in ("trained", "discarded")]
     assert len(consumed) == 8 * 2
+    observation = len(tool_arithmetic.build_tokenizer().encode(" obs ", add_special_tokens=False))
     for row in consumed:
-        t = row["trajectory"]
-        if row["sample_index"] == 3:
+        t, k = row["trajectory"], row["sample_index"]
+        if k in (0, 1):
+            assert row["event"] == "trained" and row["reward_status"] == "scored", row
+            assert t["turns"] == 2 and (t["environment_failure"], t["failure_kind"]) == (None, None)
+            assert t["policy_tokens"] == sum(v != NOT_SAMPLED for v in row["versions"]) < len(row["versions"])
+            assert row["lag"] == row["consumed_at_version"] - min(v for v in row["versions"] if v != NOT_SAMPLED)
+            if k == 0:  # two_turns: 3 sampled tokens, the observation, 3 more
+                assert t["policy_tokens"] == 6 and row["versions"][3:3 + observation] == [NOT_SAMPLED] * observation
+            continue
+        assert (row["event"], row["outcome"]) == ("discarded", "infrastructure failure: environment-failure")
+        if k == 3:
             refused = re.fullmatch(r"the rollout program's input was refused: the OpenAI endpoint refused a request "
                                    r"of the agent: prompt\[0\] = (\d+) is outside the vocabulary \[0, (\d+)\)",
                                    t["environment_failure"])
             assert t["failure_kind"] == "invalid-input" and refused and int(refused[1]) == int(refused[2]) + 5, t
-        elif row["sample_index"] == 2:
+        else:
             assert (t["failure_kind"], t["environment_failure"]) == (
                 "program-error", "the rollout program raised ValueError: the environment's state is inconsistent")
-        else:
-            assert row["event"] == "trained" and t["environment_failure"] is None and t["turns"] == 2, row
-            continue
-        assert (row["event"], row["outcome"]) == ("discarded", "infrastructure failure: environment-failure")
-    assert "Traceback (most recent call last)" in r.stderr and "in hostile_chat" in r.stderr
+    assert "Traceback (most recent call last)" in r.stderr and "in chat_agents" in r.stderr
+    asked = server.requests["/score"]  # the good ones only, with their programs' metadata
+    assert {json.dumps(body["metadata"]) for body in asked} == {'{"program": "two_turns"}', '{"checked": true}'}
+    served = collections.Counter(float(str(body["label"]) in body["response"]) for body in asked)
+    assert collections.Counter(row["reward"] for row in consumed if row["event"] == "trained") <= served
     steps = [json.loads(line)["rollout"] for line in open(out / "metrics.jsonl") if '"rollout"' in line]
     assert [(m["agent_failures"], m["agent_environment_failures"], m["agent_turns_mean"]) for m in steps] == \
         [({"invalid-input": 2, "program-error": 2}, 4, 2.0)] * 2
