@@ -4,6 +4,9 @@ import asyncio
 import contextlib
 import os
 
+import aiohttp  # noqa: F401 - see RECIPE
+import openai
+
 from megatron_rl.rollout.agent import EnvironmentFailure, Trajectory
 from megatron_rl.runtime import plugins
 
@@ -26,7 +29,9 @@ async def environment_down(sample, client):
     raise EnvironmentFailure("the tool server is unreachable")
 
 
-RECIPE = os.path.join(ROOT, "examples", "chat_program.py") + ":generate"
+# loaded with this file, at the run's setup: a program's first call would otherwise spend its
+# --rollout-program-timeout on importing openai and aiohttp (the endpoint's server)
+RECIPE = plugins.load(os.path.join(ROOT, "examples", "chat_program.py") + ":generate", "the recipe")
 _hung: set[str] = set()
 
 
@@ -44,11 +49,9 @@ async def chat_agents(sample, client):
     if not sample.is_eval and index == 2:
         raise ValueError("the environment's state is inconsistent")
     if not sample.is_eval and index == 3:
-        import openai
-
         session = await client.openai_session()
         async with openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0) as api:
             with contextlib.suppress(openai.BadRequestError):
                 await api.completions.create(model="policy", prompt=[client.limits.vocab_size + 5])
         return session.trajectory
-    return await plugins.load(RECIPE, "the recipe")(sample, client)
+    return await RECIPE(sample, client)

@@ -435,7 +435,7 @@ def test_rollout_programs_from_a_file_on_chat_data_are_trained_or_excluded_with_
                     "--rm-url", server.url("/score"), "--model", "tiny-arith", "--tokenizer", str(data / "tokenizer"),
                     "--seq-length", "128", "--prompt-data", str(data / "train.jsonl"), "--input-key", "messages",
                     "--label-key", "answer", "--apply-chat-template", "--eval-prompt-data", "heldout",
-                    str(data / "eval.jsonl"), "--rollout-max-response-len", "48", "--rollout-program-timeout", "3")
+                    str(data / "eval.jsonl"), "--rollout-max-response-len", "48", "--rollout-program-timeout", "5")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "rollouts.jsonl")]
     consumed = [row for row in rows if row["event"] in ("trained", "discarded")]
@@ -470,7 +470,7 @@ def test_rollout_programs_from_a_file_on_chat_data_are_trained_or_excluded_with_
         [({"invalid-input": 2, "program-error": 2}, 4, 2.0)] * 2
     heldout = json.loads((out / "eval.json").read_text())["eval_sets"]["heldout"]
     assert heldout["before_rl"]["failure_reasons"] == [
-        {"reason": "environment-failure: the rollout program ran longer than --rollout-program-timeout 3 s",
+        {"reason": "environment-failure: the rollout program ran longer than --rollout-program-timeout 5 s",
          "samples": 1}]
     assert heldout["after_rl"]["failures"] == 0
     report = account(str(out))
