@@ -77,7 +77,8 @@ for name, run_dir in (("with the calculator", out), ("without a tool", os.path.j
         continue
     heldout = json.load(open(os.path.join(run_dir, "eval.json")))["eval_sets"]["heldout"]
     steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    rates = [s["rollout"]["agent_tool_call_rate"] for s in steps if "agent_tool_call_rate" in s.get("rollout", {})]
+    rates = [s["rollout"]["agent_tool_call_rate"] for s in steps  # (None: every trajectory of the step failed)
+             if s.get("rollout", {}).get("agent_tool_call_rate") is not None]
     rate = f"; tool-call rate {rates[0]:.2f} at the first RL step, {rates[-1]:.2f} at the last" if rates else ""
     print(f"{name}: held-out accuracy {heldout['before_rl']['accuracy']:.3f} before RL, "
           f"{heldout['after_rl']['accuracy']:.3f} after ({heldout['distinct_problems']} distinct problems){rate}")

@@ -65,13 +65,13 @@ def policy_turns(turns: int, tokens: int, observation: list[int]):
     return program
 
 
-def drive_agents(engine, runner, samples, params, update, when) -> list:
+def drive_agents(engine, runner, samples, params, update=None, when=None) -> list:
     """What the generator worker does with an `AgentRunner`: policy calls into the engine, outputs back, until
-    every program finished; `update()` (a weight update with its pause) once, as soon as `when(engine steps so
-    far)` is true. The programs' outputs, in finishing order."""
+    every program finished; `update()` (a weight update with its pause), if given, once, as soon as `when(engine
+    steps so far)` is true. The programs' outputs, in finishing order."""
     for sample in samples:
         runner.start(sample, params)
-    finished, steps, updated = [], 0, False
+    finished, steps, updated = [], 0, update is None
     while len(finished) < len(samples):
         for rid, prompt, call_params in runner.take_calls():
             engine.add_request(prompt, call_params, rid)

@@ -260,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a tool result's tokens in its turn; longer ones are truncated, saying so")
     g.add_argument("--tool-timeout", type=float, default=5.0, help="seconds per Python sandbox call")
     g.add_argument("--sandbox-memory-mb", type=int, default=1024, help="the Python sandbox's address space limit")
+    g.add_argument("--rollout-program-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="wall-clock limit of one rollout program (one trajectory, its policy calls and tools "
+                        "included); past it the sample is excluded with the reason. Must be below "
+                        "--generator-timeout")
     g.add_argument("--max-consecutive-environment-failures", type=int, default=64,
                    help="stop the run when the environment (a tool's sandbox or server, the rollout program) fails "
                         "on this many trajectories in a row; isolated failures are excluded and counted")

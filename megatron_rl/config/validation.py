@@ -176,6 +176,10 @@ def validate_agent(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             parser.error(f"{flag} must be >= 1, got {value}")
     if args.tool_timeout <= 0:
         parser.error(f"--tool-timeout must be > 0, got {args.tool_timeout}")
+    if uses_agents(args) and not 0 < args.rollout_program_timeout < args.generator_timeout:
+        parser.error(f"--rollout-program-timeout must be > 0 and below --generator-timeout "
+                     f"{args.generator_timeout:g} (a hung program is one sample's failure, not a hung generator), "
+                     f"got {args.rollout_program_timeout:g}")
 
 
 def validate_remote_reward(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

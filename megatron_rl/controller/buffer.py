@@ -122,17 +122,20 @@ class RolloutBuffer:
         drop_uniform = self.drop_uniform_groups if drop_uniform is None else drop_uniform
         now = time.time()
         released, discards, lags, ages, rewards, outcomes = [], Counter(), [], [], [], []
+        popped = 0
         leading = set(first)
         complete = [p for p in first if self.is_complete(p)]
         complete += [p for p in self._groups if self.is_complete(p) and p not in leading]
         ready = complete[:num_groups]
         for earlier, prompt_id in enumerate(ready):
             group = sorted(self._groups.pop(prompt_id), key=lambda r: r.sample_index)
-            lags += [r.oldest_version for r in group]
+            popped += 1
+            lags += [r.oldest_version for r in group if r.output.policy_versions]  # (a failed trajectory: none)
             rewards += [r.reward.reward for r in group if not r.failed]
-            gate = version_gate(trainer_version, [r.oldest_version for r in group], self.max_staleness) & \
-                failure_gate([r.reward.status if r.reward.is_failure else "failure" if r.failed else "ok"
-                              for r in group], EXCLUDED_STATUSES + ("failure",))
+            # a failure is the reason before staleness: a trajectory that failed has no policy token to be stale
+            gate = failure_gate([r.reward.status if r.reward.is_failure else "failure" if r.failed else "ok"
+                                 for r in group], EXCLUDED_STATUSES + ("failure",)) & \
+                version_gate(trainer_version, [r.oldest_version for r in group], self.max_staleness)
             kept = [r for r, keep in zip(group, gate.keep.tolist()) if keep]
             discards.update(r.split(":")[0] for r in gate.reasons if r)
             outcomes += [(r, reason) for r, reason in zip(group, gate.reasons) if reason]
@@ -150,7 +153,6 @@ class RolloutBuffer:
             ages += [now - r.meta.dispatched_at for r in kept]
             released.append(kept)
         self.discards.update(discards)
-        popped = len(lags) // self.group_size
         return Batch(released, discards, lag_histogram(trainer_version, lags), sum(ages) / max(len(ages), 1), popped,
                      rewards, outcomes)
 

@@ -4,13 +4,17 @@
 A set is the arithmetic task's held-out split (when the run trains on the task) and each --eval-prompt-data
 NAME PATH. Per set: `accuracy` (the fraction of scored samples whose reward is 1), `reward_mean`, and with
 --eval-n-samples n > 1 `pass@n` (the fraction of problems with at least one correct sample). Samples whose reward
-could not be computed (a timeout, a crashed scorer) are excluded and counted in `failures`; a set with no scored
-sample reports its accuracy as null, never NaN.
+could not be computed (a timeout, a crashed scorer, an agent trajectory that failed) are excluded and counted in
+`failures`, with their reasons in `failure_reasons`; a set with no scored sample reports its accuracy as null,
+never NaN.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+
+MAX_REASONS = 5  # distinct failure reasons an evaluation keeps per set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +47,15 @@ def read_records(path: str, args) -> list[dict]:
 
 def summarize(eval_set: EvalSet, results: dict, n_samples: int) -> dict:
     """One set's figures from `results`: (prompt id, sample index) -> RewardResult."""
-    scored, failures, solved = [], 0, 0
+    scored, failed, solved = [], [], 0
     for problem in eval_set.problems:
         rewards = [results[(problem["id"], k)] for k in range(n_samples)]
         ok = [r.reward for r in rewards if not r.is_failure]
-        failures += len(rewards) - len(ok)
+        failed += [r for r in rewards if r.is_failure]
         scored += ok
         solved += any(r == 1.0 for r in ok)
-    out = {"problems": len(eval_set.problems), "samples": len(eval_set.problems) * n_samples, "failures": failures,
+    out = {"problems": len(eval_set.problems), "samples": len(eval_set.problems) * n_samples,
+           "failures": len(failed), "failure_reasons": failure_reasons(failed),
            "accuracy": sum(r == 1.0 for r in scored) / len(scored) if scored else None,
            "reward_mean": sum(scored) / len(scored) if scored else None}
     if n_samples > 1:
@@ -58,10 +63,23 @@ def summarize(eval_set: EvalSet, results: dict, n_samples: int) -> dict:
     return out
 
 
+def failure_reasons(failed: list) -> list[dict]:
+    """How many samples each reason kept from being scored, most frequent first: {"reason": "status: detail",
+    "samples": n} for the MAX_REASONS most frequent, the rest as "other reasons". (A list: free text is no metric
+    name for wandb or tensorboard.)"""
+    reasons = Counter(f"{r.status}: {r.detail}" if r.detail else r.status for r in failed)
+    out = [{"reason": reason, "samples": n} for reason, n in reasons.most_common(MAX_REASONS)]
+    if len(reasons) > MAX_REASONS:
+        out.append({"reason": "other reasons", "samples": sum(reasons.values()) - sum(r["samples"] for r in out)})
+    return out
+
+
 def describe(name: str, summary: dict) -> str:
     accuracy = "n/a" if summary["accuracy"] is None else f"{summary['accuracy']:.3f}"
     passes = "".join(f", {k} {v:.3f}" for k, v in summary.items() if k.startswith("pass@"))
+    reasons = summary.get("failure_reasons")  # (absent from the evaluations of older checkpoints)
     failed = f", {summary['failures']} samples not scored" if summary["failures"] else ""
+    failed += f", most for {reasons[0]['reason']}" if failed and reasons else ""
     return f"eval {name}: accuracy {accuracy}{passes} ({summary['problems']} problems x " \
            f"{summary['samples'] // summary['problems']} samples{failed})"
 

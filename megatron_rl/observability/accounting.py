@@ -8,6 +8,9 @@
   sample was trained on twice;
 - the ledger agrees with the controller's own state (the prompts it counts as dispatched, the samples it
   counts as consumed);
+- every sample excluded has its reason: a discarded row names it, a sample whose reward could not be computed or
+  whose agent trajectory failed is never trained on, a failed trajectory's row carries the failure's reason, and
+  the failures each step counted are the ledger's;
 - steps are contiguous from 1 and each publishes the next weight version (a skipped update, none).
 
 Any run can be accounted for, crashed and resumed or not (a resume cuts both logs back to its checkpoint).
@@ -18,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections import Counter
+from collections import Counter, defaultdict
+
+from megatron_rl.rewards.types import EXCLUDED_STATUSES
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -95,7 +100,9 @@ def account(output_dir: str) -> dict:
     if final.get("train_iters") is not None and step_ids and step_ids[-1] != final["train_iters"]:
         problems.append(f"the last step logged is {step_ids[-1]}, the run was to take {final['train_iters']}")
 
+    problems += _exclusion_problems(consumed, steps)
     resent = [r for r in ledger if r["event"] == "resent"]
+    failed = [r for r in consumed if r.get("trajectory", {}).get("environment_failure")]
     return {
         "steps": len(steps), "prompts_dispatched": len(dispatches),
         "prompts_dispatched_again": sum(n > 1 for n in dispatches.values()),
@@ -104,8 +111,37 @@ def account(output_dir: str) -> dict:
         "samples_discarded": dict(Counter(r["outcome"] for r in consumed if r["event"] == "discarded")),
         "samples_generated_again": len(resent),
         "generated_again_reasons": dict(Counter(r["outcome"] for r in resent)),
+        "agent_failures": dict(Counter(r["trajectory"].get("failure_kind") or "environment" for r in failed)),
         "problems": problems,
     }
+
+
+def _exclusion_problems(consumed: list[dict], steps: list[dict]) -> list[str]:
+    """Every sample excluded is excluded with a reason: a discarded row names its reason, a sample whose reward
+    could not be computed (or whose agent trajectory failed) is never trained on, a failed trajectory's row carries
+    the failure's reason, and the failures each step counted (`rollout.agent_failures`) are the ledger's."""
+    problems = []
+    unexplained = [(r["prompt_id"], r["sample_index"]) for r in consumed if r["event"] == "discarded"
+                   and not r.get("outcome")]
+    trained_failed = [(r["prompt_id"], r["sample_index"]) for r in consumed if r["event"] == "trained"
+                      and r.get("reward_status") in EXCLUDED_STATUSES]
+    silent = [(r["prompt_id"], r["sample_index"]) for r in consumed if r.get("reward_status") == "environment-failure"
+              and not r.get("trajectory", {}).get("environment_failure")]
+    for what, found in (("samples discarded without a reason", unexplained),
+                        ("samples trained on whose reward could not be computed", trained_failed),
+                        ("samples of a failed environment without the failure's reason", silent)):
+        if found:
+            problems.append(f"{len(found)} {what} (e.g. {found[:3]})")
+    ledger_failures = defaultdict(Counter)
+    for r in consumed:
+        if r.get("trajectory", {}).get("environment_failure"):
+            ledger_failures[r["step"]][r["trajectory"].get("failure_kind") or "environment"] += 1
+    for m in steps:
+        counted = m["rollout"].get("agent_failures")
+        if counted is not None and Counter(counted) != ledger_failures[m["step"]]:
+            problems.append(f"step {m['step']} counted the agent failures {counted}, the ledger has "
+                            f"{dict(ledger_failures[m['step']])}")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,23 +118,30 @@ class RolloutLog:
 
 
 def _ledger_trajectory(rollout) -> dict:
-    """An agent trajectory's row fields: turns, tool calls and errors, policy tokens, the environment's failure."""
+    """An agent trajectory's row fields: turns, tool calls and errors, policy tokens, why it failed (the reason and
+    its kind: `rollout.agent.AgentFailure`)."""
     t = rollout.output.trajectory
     return {"turns": t["turns"], "tool_calls": t["tool_calls"], "tool_errors": t["tool_errors"],
-            "policy_tokens": len(rollout.output.policy_versions), "environment_failure": t["environment_failure"]}
+            "policy_tokens": len(rollout.output.policy_versions), "environment_failure": t["environment_failure"],
+            "failure_kind": t.get("failure_kind")}
 
 
-def agent_metrics(outcomes) -> dict[str, float]:
-    """Agent trajectories among what the step popped: turns and tool calls per trajectory, tool errors per call,
-    environment failures (counted, excluded). Empty for plain rollouts."""
+def agent_metrics(outcomes) -> dict:
+    """Agent trajectories among what the step popped: turns and tool calls per trajectory and tool errors per call,
+    over the trajectories that did not fail (None if all did); the failed ones (excluded) counted, in all and by
+    kind. Empty for plain rollouts."""
     trajectories = [r.output.trajectory for r, _ in outcomes if r.output.trajectory is not None]
     if not trajectories:
         return {}
-    n, calls = len(trajectories), sum(t["tool_calls"] for t in trajectories)
-    return {"turns_mean": sum(t["turns"] for t in trajectories) / n, "tool_calls_mean": calls / n,
-            "tool_call_rate": sum(t["tool_calls"] > 0 for t in trajectories) / n,
-            "tool_error_rate": sum(t["tool_errors"] for t in trajectories) / calls if calls else 0.0,
-            "environment_failures": sum(bool(t["environment_failure"]) for t in trajectories)}
+    ok = [t for t in trajectories if not t["environment_failure"]]
+    n, calls = len(ok), sum(t["tool_calls"] for t in ok)
+    return {"turns_mean": sum(t["turns"] for t in ok) / n if n else None,
+            "tool_calls_mean": calls / n if n else None,
+            "tool_call_rate": sum(t["tool_calls"] > 0 for t in ok) / n if n else None,
+            "tool_error_rate": sum(t["tool_errors"] for t in ok) / calls if calls else 0.0,
+            "environment_failures": len(trajectories) - n,
+            "failures": dict(Counter(t.get("failure_kind") or "environment" for t in trajectories
+                                     if t["environment_failure"]))}
 
 
 @dataclasses.dataclass

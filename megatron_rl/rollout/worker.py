@@ -51,7 +51,7 @@ class GeneratorWorker:
             from megatron_rl.rollout.agent.runner import AgentRunner
 
             self.agents = AgentRunner(program, setup.tokenizer, self.args.seq_length, setup.spec.vocab_size,
-                                      setup.stop_token_ids)
+                                      setup.stop_token_ids, self.args.rollout_program_timeout)
 
     def run(self) -> None:
         try:

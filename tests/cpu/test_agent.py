@@ -27,13 +27,17 @@ from megatron_rl.models.spec import get_model_spec
 from megatron_rl.rewards.types import RewardResult
 from megatron_rl.rollout import LocalEngine
 from megatron_rl.rollout.agent import (
+    AgentFailure,
     AgentRunner,
     AgentSample,
     EnvironmentFailure,
+    Generation,
     GenerationClient,
+    InvalidInput,
     MultiTurn,
     ToolTurns,
     Trajectory,
+    TrajectoryLimits,
 )
 from megatron_rl.rollout.types import NOT_SAMPLED, RequestMeta, RolloutOutput, SamplingParams
 from megatron_rl.tools import (
@@ -103,34 +107,6 @@ def test_a_trajectory_through_the_engine_across_a_weight_update(tmp_path):
     assert crossed  # the update came in the middle of a trajectory (one of its calls was retracted and resumed)
 
 
-def test_a_program_that_breaks_the_limits_or_fails_is_excluded_with_the_reason():
-    async def too_long(sample, client):
-        trajectory = Trajectory(list(sample.prompt_token_ids))
-        trajectory.add_observation([5] * 50)
-        return trajectory
-
-    async def crashes(sample, client):
-        raise KeyError("state")
-
-    async def environment(sample, client):
-        raise EnvironmentFailure("sandbox worker crashed")
-
-    reasons = {}
-    for program in (too_long, crashes, environment):
-        runner = AgentRunner(program, None, max_context=128, vocab_size=200)
-        try:
-            runner.start(AgentSample("p#0", None, [1, 2], "", {}), SamplingParams(max_new_tokens=16))
-            while not (done := runner.take_finished()):
-                runner.wait(1.0)
-        finally:
-            runner.shutdown()
-        reasons[program.__name__] = done[0].trajectory["environment_failure"]
-    assert reasons == {
-        "too_long": "the trajectory has 50 tokens after its prompt, more than --rollout-max-response-len 16",
-        "crashes": "the rollout program raised KeyError: 'state'",
-        "environment": "sandbox worker crashed"}
-
-
 # ---- the tool loop on a chat template -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -161,7 +137,8 @@ def _loop(tokenizer, tools=("calculator",), **limits):
 
 def _run_loop(tokenizer, loop, script, budget=400):
     policy = ScriptedPolicy(tokenizer, script)
-    client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=budget, seed=1), tokenizer, 4096, budget)
+    client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=budget, seed=1), tokenizer,
+                              TrajectoryLimits(len(tokenizer), 4096, budget))
     sample = AgentSample("q#0", [{"role": "user", "content": "12*34+56=?"}], [1], "464", {})
     return asyncio.run(loop(sample, client)), policy
 
@@ -203,8 +180,8 @@ def test_an_openai_client_drives_a_tool_conversation_through_the_endpoint(chat_t
 
     async def agent():
         endpoint = OpenAIEndpoint(tok, [tok.eos_token_id])
-        client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=100, seed=1), tok, 4096, 300,
-                                  endpoint)
+        client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=100, seed=1), tok,
+                                  TrajectoryLimits(len(tok), 4096, 300), endpoint)
         session, other = await client.openai_session(), await client.openai_session()
         try:
             api = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
@@ -222,7 +199,7 @@ def test_an_openai_client_drives_a_tool_conversation_through_the_endpoint(chat_t
             edited = [*chat, {"role": "assistant", "content": "I know it"}, {"role": "user", "content": "go on"}]
             with pytest.raises(openai.BadRequestError, match="message 2 \\(assistant\\) is not the session's"):
                 await other_api.chat.completions.create(model="policy", messages=edited)
-            with pytest.raises(EnvironmentFailure, match="refused a request of the agent"):
+            with pytest.raises(InvalidInput, match="refused a request of the agent"):
                 other.trajectory  # noqa: B018 - the property raises
             completion = await client.openai_session()
             capi = openai.AsyncOpenAI(base_url=completion.base_url, api_key=session.api_key, max_retries=0)
@@ -246,10 +223,67 @@ def test_an_openai_client_drives_a_tool_conversation_through_the_endpoint(chat_t
     sampled = [t for t, m in zip(out.token_ids, out.loss_mask) if m]
     assert tok.decode(sampled) == call + "<|im_end|>" + answer + "<|im_end|>"
     assert out.trajectory["response"] == answer and out.trajectory["turns"] == 2
+    assert (out.trajectory["tool_calls"], out.trajectory["tool_errors"]) == (1, 0)  # counted as the tool loop does
     # completions: the prompt's tokens beyond the session's are appended as given, not sampled
     assert one.choices[0].text == "10" and two.choices[0].finish_reason == "length"
     assert completed.token_ids[:3] == [1, 2, 3] and completed.token_ids[-3:-1] == [7, 8]
     assert completed.to_output("c").loss_mask[-3:] == [False, False, True]
+
+
+def test_the_endpoint_stops_at_the_budget_as_the_tool_loop_does_and_keeps_the_trajectory(chat_tokenizer):
+    """Past a trajectory's response budget the endpoint answers finish_reason "length" with what fits, the turn
+    that does not fit left out, as the tool loop ends a trajectory whose tool turn does not fit: the trajectory is
+    kept, truncated, not excluded. Chat: a tool call, then a tool result with no room left; completions: an
+    answer cut to the room left, then tokens that do not fit."""
+    import openai
+
+    from megatron_rl.rollout.agent.boundary import check_trajectory
+    from megatron_rl.rollout.agent.openai_server import OpenAIEndpoint
+
+    tok = chat_tokenizer
+    call = format_tool_call("calculator", {"expression": "2"})
+    policy = ScriptedPolicy(tok, [call, "1234", "5678", "never asked"])
+    chat_limits = TrajectoryLimits(len(tok), 4096, len(tok.encode(call)) + 1 + 3)  # the call, its end, 3 more
+    completion_limits = TrajectoryLimits(len(tok), 4096, 5)
+
+    async def agents():
+        endpoint = OpenAIEndpoint(tok, [tok.eos_token_id])
+        sessions = []
+        for limits in (chat_limits, completion_limits):
+            client = GenerationClient(policy, "q#0", SamplingParams(max_new_tokens=100, seed=1), tok, limits, endpoint)
+            sessions.append(await client.openai_session())
+        try:
+            api = openai.AsyncOpenAI(base_url=sessions[0].base_url, api_key=sessions[0].api_key, max_retries=0)
+            chat = [{"role": "user", "content": "2=?"}]
+            first = (await api.chat.completions.create(model="policy", messages=chat)).choices[0]
+            chat += [first.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": first.message.tool_calls[0].id, "content": "2"}]
+            second = (await api.chat.completions.create(model="policy", messages=chat)).choices[0]
+            chat += [second.message.model_dump(exclude_none=True), {"role": "user", "content": "and?"}]
+            third = (await api.chat.completions.create(model="policy", messages=chat)).choices[0]
+            api = openai.AsyncOpenAI(base_url=sessions[1].base_url, api_key=sessions[1].api_key, max_retries=0)
+            cut = await api.completions.create(model="policy", prompt=[1, 2, 3, 4], max_tokens=2)
+            ids = sessions[1].trajectory.token_ids
+            fits = await api.completions.create(model="policy", prompt=[*ids, 7])
+            ids = sessions[1].trajectory.token_ids
+            past = await api.completions.create(model="policy", prompt=[*ids, 8, 9])
+            return (first, second, third), (cut, fits, past), [s.trajectory for s in sessions]
+        finally:
+            await endpoint.stop()
+
+    (first, second, third), completions, (chatted, completed) = asyncio.run(agents())
+    assert first.finish_reason == "tool_calls"
+    assert [(c.finish_reason, c.message.content) for c in (second, third)] == [("length", "")] * 2
+    assert [(c.choices[0].finish_reason, c.usage.completion_tokens) for c in completions] == \
+        [("length", 2), ("length", 2), ("length", 0)]
+    assert [c.choices[0].text for c in completions] == ["12", "56", ""]  # cut to max_tokens, to the room left
+    for trajectory, limits, response in ((chatted, chat_limits, call), (completed, completion_limits, "56")):
+        check_trajectory(trajectory, limits)  # kept: nothing past the budget, nothing excluded
+        out = trajectory.to_output("q#0")
+        assert out.finish_reason == "length" and out.trajectory["response"] == response
+    assert (chatted.turns, chatted.tool_calls, chatted.num_response_tokens) == (1, 1, len(tok.encode(call)) + 1)
+    assert completed.num_response_tokens == 5 and completed.segments[1].token_ids == [7]
+    assert len(policy.prompts) == 3  # the calls that did not fit never reached the policy
 
 
 def test_tool_errors_are_observations_and_the_limits_end_the_trajectory(chat_tokenizer):
@@ -324,7 +358,7 @@ def test_the_sandbox_runs_code_and_its_own_failure_is_the_environments(tmp_path,
 
 def test_an_environment_failure_is_excluded_not_scored():
     failed = RolloutOutput("p#0", [1], [], [], [], "stop", loss_mask=[],
-                           trajectory=Trajectory([1]).summary("sandbox worker crashed"))
+                           trajectory=Trajectory([1]).summary(AgentFailure("environment", "sandbox worker crashed")))
     given = Trajectory([1])
     given.reward = 0.25
     scored = [failed, given.to_output("p#1")]
@@ -343,6 +377,16 @@ def test_an_environment_failure_is_excluded_not_scored():
     batch = buffer.take(1, 0)
     assert [reason for _, reason in batch.outcomes] == ["infrastructure failure: environment-failure",
                                                         "group too small after gates"]
+    # versions later, a failed trajectory (no policy token) is still excluded for its failure, not as stale, and
+    # has no lag to count
+    sampled, later = Trajectory([1]), RolloutBuffer(3, 1)
+    sampled.add_policy(Generation([5], [-0.5], [4], "stop"))
+    later.add(Rollout(failed, RequestMeta("q", 0, "1", False, 0.0), results[0]))
+    for k in (1, 2):
+        later.add(Rollout(sampled.to_output(f"q#{k}"), RequestMeta("q", k, "1", False, 0.0), RewardResult(k, "scored")))
+    batch = later.take(1, 5)
+    assert [reason for _, reason in batch.outcomes][0] == "infrastructure failure: environment-failure"
+    assert len(batch.groups[0]) == 2 and batch.lag_histogram == {1: 2} and batch.popped == 1
     rewards, environment = RewardFailures(3), environment_failures(3)
     for _ in range(2):
         rewards.check(results[:1])
@@ -370,32 +414,75 @@ def _launch(out_dir, *flags, env=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def test_a_rollout_program_from_a_file_trains_its_trajectories_scored_by_a_reward_server(tmp_path):
-    from megatron_rl.data.tokenizer import build_char_tokenizer
+def test_rollout_programs_from_a_file_on_chat_data_are_trained_or_excluded_with_their_reasons(tmp_path):
+    """One launch on chat data, rewards from a reward server (--rm-url), the programs of a file by sample index:
+    `two_turns` (an observation between two sampled turns), the recipe (examples/chat_program.py: two turns
+    through the OpenAI endpoint and the real `openai` client), one that raises, one that sends a token id outside
+    the vocabulary through the endpoint; the first evaluation sample hangs. The run finishes. The good
+    trajectories are trained as they were sampled; each bad sample is excluded with its reason in the ledger,
+    counted by kind in its step's metrics (which average the good ones only), the hang's reason is in eval.json,
+    the exception's traceback in the log; the accounting finds every sample, and a reason taken out of the
+    ledger missing."""
+    import shutil
+
+    from megatron_rl.data.tasks import tool_arithmetic
     from megatron_rl.observability.accounting import account
 
-    with reward_server() as server:  # the rewards come from a reward server (--rm-url)
-        r = _launch(tmp_path, "--train-iters", "3", "--custom-generate-function-path", f"{PROGRAMS}:two_turns",
-                    "--rm-url", server.url("/score"))
+    data, out = tmp_path / "data", tmp_path / "run"
+    tool_arithmetic.write(str(data), train=16, eval_size=2, seed=0)
+    with reward_server() as server:
+        r = _launch(out, "--train-iters", "2", "--custom-generate-function-path", f"{PROGRAMS}:chat_agents",
+                    "--rm-url", server.url("/score"), "--model", "tiny-arith", "--tokenizer", str(data / "tokenizer"),
+                    "--seq-length", "128", "--prompt-data", str(data / "train.jsonl"), "--input-key", "messages",
+                    "--label-key", "answer", "--apply-chat-template", "--eval-prompt-data", "heldout",
+                    str(data / "eval.jsonl"), "--rollout-max-response-len", "48", "--rollout-program-timeout", "5")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "rollouts.jsonl")]
-    consumed = [row for row in rows if row["event"] == "trained"]
-    observation = len(build_char_tokenizer().encode(" obs ", add_special_tokens=False))
-    assert len(consumed) == 8 * 3
-    asked = server.requests["/score"]
-    assert all(body["metadata"]["program"] == "two_turns" and " obs " in body["response"] for body in asked)
-    served = collections.Counter(float(str(body["label"]) in body["response"]) for body in asked)
-    assert collections.Counter(row["reward"] for row in consumed) <= served
+    rows = [json.loads(line) for line in open(out / "rollouts.jsonl")]
+    consumed = [row for row in rows if row["event"] in ("trained", "discarded")]
+    assert len(consumed) == 8 * 2
+    observation = len(tool_arithmetic.build_tokenizer().encode(" obs ", add_special_tokens=False))
     for row in consumed:
-        assert row["reward_status"] == "scored"  # the math reward would find no answer in these responses
-        assert row["trajectory"] == {"turns": 2, "tool_calls": 0, "tool_errors": 0, "policy_tokens": 6,
-                                     "environment_failure": None}
-        assert row["response_tokens"] == 6 + observation
-        assert row["versions"][3:3 + observation] == [NOT_SAMPLED] * observation  # the observation
-        assert row["lag"] == row["consumed_at_version"] - min(v for v in row["versions"] if v != NOT_SAMPLED)
-    metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [m["rollout"]["agent_turns_mean"] for m in metrics] == [2.0] * 3
-    assert account(str(tmp_path))["problems"] == []
+        t, k = row["trajectory"], row["sample_index"]
+        if k in (0, 1):
+            assert row["event"] == "trained" and row["reward_status"] == "scored", row
+            assert t["turns"] == 2 and (t["environment_failure"], t["failure_kind"]) == (None, None)
+            assert t["policy_tokens"] == sum(v != NOT_SAMPLED for v in row["versions"]) < len(row["versions"])
+            assert row["lag"] == row["consumed_at_version"] - min(v for v in row["versions"] if v != NOT_SAMPLED)
+            if k == 0:  # two_turns: 3 sampled tokens, the observation, 3 more
+                assert t["policy_tokens"] == 6 and row["versions"][3:3 + observation] == [NOT_SAMPLED] * observation
+            continue
+        assert (row["event"], row["outcome"]) == ("discarded", "infrastructure failure: environment-failure")
+        if k == 3:
+            refused = re.fullmatch(r"the rollout program's input was refused: the OpenAI endpoint refused a request "
+                                   r"of the agent: prompt\[0\] = (\d+) is outside the vocabulary \[0, (\d+)\)",
+                                   t["environment_failure"])
+            assert t["failure_kind"] == "invalid-input" and refused and int(refused[1]) == int(refused[2]) + 5, t
+        else:
+            assert (t["failure_kind"], t["environment_failure"]) == (
+                "program-error", "the rollout program raised ValueError: the environment's state is inconsistent")
+    assert "Traceback (most recent call last)" in r.stderr and "in chat_agents" in r.stderr
+    asked = server.requests["/score"]  # the good ones only, with their programs' metadata
+    assert {json.dumps(body["metadata"]) for body in asked} == {'{"program": "two_turns"}', '{"checked": true}'}
+    served = collections.Counter(float(str(body["label"]) in body["response"]) for body in asked)
+    assert collections.Counter(row["reward"] for row in consumed if row["event"] == "trained") <= served
+    steps = [json.loads(line)["rollout"] for line in open(out / "metrics.jsonl") if '"rollout"' in line]
+    assert [(m["agent_failures"], m["agent_environment_failures"], m["agent_turns_mean"]) for m in steps] == \
+        [({"invalid-input": 2, "program-error": 2}, 4, 2.0)] * 2
+    heldout = json.loads((out / "eval.json").read_text())["eval_sets"]["heldout"]
+    assert heldout["before_rl"]["failure_reasons"] == [
+        {"reason": "environment-failure: the rollout program ran longer than --rollout-program-timeout 5 s",
+         "samples": 1}]
+    assert heldout["after_rl"]["failures"] == 0
+    report = account(str(out))
+    assert report["problems"] == [] and report["agent_failures"] == {"invalid-input": 4, "program-error": 4}
+    # a failure whose reason is lost is found
+    shutil.copytree(out, tmp_path / "tampered")
+    failed = next(i for i, row in enumerate(rows) if row.get("trajectory", {}).get("environment_failure"))
+    rows[failed]["trajectory"]["environment_failure"] = None
+    (tmp_path / "tampered" / "rollouts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    problems = account(str(tmp_path / "tampered"))["problems"]
+    assert len(problems) == 2 and "1 samples of a failed environment without the failure's reason" in problems[0]
+    assert f"step {rows[failed]['step']} counted the agent failures" in problems[1]
 
 
 @pytest.mark.slow  # a launch (about 10 s); the failure rule itself is tested above without one

@@ -190,13 +190,14 @@ def test_expert_parallel_size_that_does_not_divide_the_experts_fails_naming_the_
 
 
 # The Qwen3 scripts take 10-30 s each (the 235B-A22B one's memory is also checked in-process above): the slow tier
-# (tests/cpu/run_slow.sh) runs them.
+# (tests/cpu/run_slow.sh) runs them, and the chat-program recipe's (its program runs in a default-suite launch).
 @pytest.mark.parametrize("script", ["run_tiny_aipo.sh", "run_tiny_moe.sh", "run_math_chat.sh", "run_tool_aipo.sh",
                                     "run_8b_aipo.sh",
                                     "run_70b_aipo.sh", "run_405b_aipo.sh",
                                     pytest.param("run_qwen3_235b_a22b_aipo.sh", marks=pytest.mark.slow),
                                     pytest.param("run_qwen3_8b_aipo.sh", marks=pytest.mark.slow),
-                                    pytest.param("run_qwen3_30b_a3b_aipo.sh", marks=pytest.mark.slow)])
+                                    pytest.param("run_qwen3_30b_a3b_aipo.sh", marks=pytest.mark.slow),
+                                    pytest.param("run_chat_program.sh", marks=pytest.mark.slow)])
 def test_example_scripts_parse_and_dry_run(script):
     r = subprocess.run(["bash", os.path.join(ROOT, "examples", script), "--dry-run"], capture_output=True,
                        text=True, timeout=300, cwd=ROOT)

@@ -1,7 +1,7 @@
 """Evaluation figures from reward results: accuracy over scored samples, pass@n, failures counted apart (never
 a NaN), and eval.json's before / after / history per set."""
 
-from megatron_rl.controller.evaluation import EvalSet, report, summarize
+from megatron_rl.controller.evaluation import EvalSet, describe, report, summarize
 from megatron_rl.rewards.types import RewardResult
 
 RIGHT, WRONG = RewardResult(1.0, "scored"), RewardResult(0.0, "scored")
@@ -15,7 +15,22 @@ def test_accuracy_pass_at_n_and_failures_by_hand():
     summary = summarize(s, results, 2)
     # 5 scored samples, 1 right; problem 0 solved by one of its two samples
     assert summary == {"problems": 3, "samples": 6, "failures": 1, "accuracy": 1 / 5, "reward_mean": 1 / 5,
+                       "failure_reasons": [{"reason": "timeout: no verdict within 5 s", "samples": 1}],
                        "pass@2": 1 / 3}
+
+
+def test_failure_reasons_keep_the_most_frequent_and_count_the_rest():
+    hung = RewardResult(0.0, "environment-failure", detail="the rollout program ran longer than 5 s")
+    s = EvalSet("x", [{"id": f"x/{i}"} for i in range(9)])
+    results = {("x/0", 0): hung, ("x/1", 0): hung, ("x/2", 0): RIGHT, ("x/3", 0): RewardResult(0.0, "bad-input")}
+    results.update({(f"x/{i}", 0): RewardResult(0.0, "scorer-failure", detail=f"crash {i}") for i in range(4, 9)})
+    summary = summarize(s, results, 1)
+    reasons = summary["failure_reasons"]
+    assert reasons[0] == {"reason": "environment-failure: the rollout program ran longer than 5 s", "samples": 2}
+    assert len(reasons) == 6 and reasons[-1] == {"reason": "other reasons", "samples": 2}
+    assert sum(r["samples"] for r in reasons) == summary["failures"] == 8
+    assert describe("x", summary).endswith(", 8 samples not scored, most for environment-failure: the rollout "
+                                           "program ran longer than 5 s)")
 
 
 def test_a_set_without_any_scored_sample_reports_null_not_nan():

@@ -23,7 +23,8 @@ GENERATE_FLAG = "--custom-generate-function-path"
 # agent rollouts never imports the tools, the OpenAI endpoint or their packages (jsonschema, aiohttp).
 _EXPORTS = {"AgentRunner": "runner", "Program": "runner", "AgentSample": "client", "GenerationClient": "client",
             "MultiTurn": "multi_turn", "ToolTurns": "chat", "Generation": "trajectory", "Segment": "trajectory",
-            "Trajectory": "trajectory"}
+            "Trajectory": "trajectory", "AgentFailure": "trajectory", "InvalidInput": "boundary",
+            "TrajectoryLimits": "boundary"}
 
 __all__ = ["EnvironmentFailure", "GENERATE_FLAG", "ROLLOUT_FUNCTIONS", "rollout_program", "uses_agents", *_EXPORTS]
 

@@ -47,11 +47,8 @@ class MultiTurn:
                 trajectory.tool_calls += 1
                 trajectory.tool_errors += result.is_error
                 results.append(self._truncated(result.text, tokenizer))
-            observation = self.turns.observation_tokens(results)
-            if trajectory.num_response_tokens + len(observation) >= client.response_budget:
-                trajectory.finish_reason = "length"  # no room for the tool's answer and another turn
-                break
-            trajectory.add_observation(observation)
+            if not client.observe(trajectory, self.turns.observation_tokens(results)):
+                break  # no room for the tool's answer and another turn: truncated ("length")
         return trajectory
 
     def _truncated(self, text: str, tokenizer) -> str:

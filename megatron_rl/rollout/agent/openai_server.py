@@ -16,65 +16,35 @@ policy's turns are never tokenized again. An answer's `<tool_call>` blocks come 
 `POST .../completions` takes the prompt as token ids (or text, tokenized), which must begin with the session's
 tokens so far. The run's sampling parameters apply (the behavior log-probs must be those the trainer's
 correction assumes): `temperature`, `top_p` and the like are not taken from the request; `max_tokens` caps a
-call within the trajectory's budget. A request that does not continue its session is refused (HTTP 400) and
-the session's trajectory becomes an environment failure.
+call within the trajectory's budget. At the budget the endpoint stops as the tool loop does (`client.observe`):
+what does not fit is left out and the call answers finish_reason "length"; the trajectory is kept, truncated.
+The tool calls of chat answers are counted in the trajectory.
+
+Every request is checked field by field first (`openai_requests`). A malformed one, or one that does not continue
+its session, is refused with HTTP 400 naming the field (413: a body too large), never a 500, and fails the
+session: its `trajectory` raises `InvalidInput` and the sample is excluded. 503: the environment (the engine)
+failed. aiohttp is imported only when the endpoint starts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hmac
 import json
 import secrets
 import time
 
-from aiohttp import web
-
+from megatron_rl.rollout.agent import boundary, openai_requests
+from megatron_rl.rollout.agent.boundary import InvalidInput
 from megatron_rl.rollout.agent.chat import ToolTurns
+from megatron_rl.rollout.agent.openai_requests import ChatRequest, CompletionRequest, Message, ToolCallMessage
 from megatron_rl.rollout.agent.trajectory import Trajectory
 from megatron_rl.tools import EnvironmentFailure, parse_tool_calls
 from megatron_rl.tools.calls import TOOL_CALL_BLOCK
 
 MODEL_NAME = "policy"
-
-
-class RequestError(Exception):
-    """A request the endpoint refuses: HTTP 400 with the message."""
-
-
-def _text(content) -> str:
-    """A message's content as text: a string, None, or OpenAI content parts."""
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return str(content)
-
-
-def _comparable(message: dict) -> tuple:
-    """What must be equal for a message to be the one the session already has."""
-    calls = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function", {})
-        arguments = function.get("arguments", "{}")
-        with contextlib.suppress(json.JSONDecodeError):
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        calls.append((function.get("name"), json.dumps(arguments, sort_keys=True)))
-    return message.get("role"), _text(message.get("content")).strip(), tuple(calls)
-
-
-def _assistant_message(text: str, turn: int) -> tuple[dict, str]:
-    """The OpenAI message of one policy turn and its finish reason: tool calls parsed out of the text."""
-    calls = [c for c in parse_tool_calls(text) if c.error is None]
-    if not calls:
-        return {"role": "assistant", "content": text}, "stop"
-    content = TOOL_CALL_BLOCK.sub("", text).strip() or None
-    return {"role": "assistant", "content": content,
-            "tool_calls": [{"id": f"call_{turn}_{k}", "type": "function",
-                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                           for k, c in enumerate(calls)]}, "tool_calls"
+MAX_BODY_BYTES = 64 * 2**20  # a long conversation's text, or its token ids, with room to spare
 
 
 @dataclasses.dataclass
@@ -84,84 +54,83 @@ class OpenAISession:
     api_key: str
     client: object  # the program's GenerationClient
     turns: ToolTurns
-    messages: list[dict] = dataclasses.field(default_factory=list)  # as the endpoint returned them
-    error: str | None = None
+    messages: tuple[Message, ...] = ()  # the conversation as the endpoint returned it
+    error: Exception | None = None  # why a request was refused (InvalidInput: 400; EnvironmentFailure: 503)
     _trajectory: Trajectory | None = None
     _lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
     @property
     def trajectory(self) -> Trajectory:
+        if isinstance(self.error, EnvironmentFailure):
+            raise EnvironmentFailure(f"the OpenAI endpoint could not answer the agent: {self.error}")
         if self.error is not None:
-            raise EnvironmentFailure(f"the OpenAI endpoint refused a request of the agent: {self.error}")
+            raise InvalidInput(f"the OpenAI endpoint refused a request of the agent: {self.error}")
         if self._trajectory is None:
-            raise EnvironmentFailure("the agent made no call to the OpenAI endpoint")
+            raise InvalidInput("the agent made no call to the OpenAI endpoint")
         return self._trajectory
 
-    async def chat(self, body: dict) -> dict:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise RequestError("'messages' must be a non-empty list of message objects")
-        if self._trajectory is None:
-            self._trajectory = Trajectory(self.turns.prompt_tokens(messages, body.get("tools")))
+    async def chat(self, request: ChatRequest) -> dict:
+        trajectory = self._trajectory
+        if trajectory is None:
+            trajectory = self._start(_rendered(self.turns.prompt_tokens, [m.for_template() for m in request.messages],
+                                               request.tools))
+            room = True
         else:
             known = len(self.messages)
-            for i, (given, kept) in enumerate(zip(messages, self.messages)):
-                if _comparable(given) != _comparable(kept):
-                    raise RequestError(f"message {i} ({given.get('role')}) is not the session's message {i}: a "
-                                       "call must repeat the conversation so far as the endpoint returned it")
-            new = messages[known:]
-            if len(messages) < known or not new:
-                raise RequestError(f"the conversation has {len(messages)} messages; the session's has {known}: a "
-                                   "call must add at least one message to it")
-            if any(m.get("role") == "assistant" for m in new):
-                raise RequestError("an assistant message the policy did not write cannot be added to the session")
-            self._trajectory.add_observation(self.turns.turn_tokens(new))
-        generation = await self.client.sample(self._trajectory, **self._limits(body))
+            for i, (given, kept) in enumerate(zip(request.messages, self.messages)):
+                if given.comparable() != kept.comparable():
+                    raise InvalidInput(f"message {i} ({given.role}) is not the session's message {i}: a call must "
+                                       "repeat the conversation so far as the endpoint returned it")
+            new = request.messages[known:]
+            if len(request.messages) < known or not new:
+                raise InvalidInput(f"the conversation has {len(request.messages)} messages; the session's has "
+                                   f"{known}: a call must add at least one message to it")
+            if any(m.role == "assistant" for m in new):
+                raise InvalidInput("an assistant message the policy did not write cannot be added to the session")
+            room = self.client.observe(trajectory, _rendered(self.turns.turn_tokens, [m.for_template() for m in new]))
+        generation = await self.client.sample(trajectory, **_max_tokens(request.max_tokens))
         text = self._decode(generation.token_ids)
-        message, finish = _assistant_message(text, len(self.messages))
-        if generation.finish_reason == "length":
-            finish = "length"
-        self.messages = [*messages, message]
-        self._trajectory.response = text
-        return self._answer("chat.completion", {"index": 0, "message": message, "finish_reason": finish,
-                                                "logprobs": None}, generation)
+        calls = parse_tool_calls(text)
+        trajectory.tool_calls += len(calls)
+        trajectory.tool_errors += sum(c.error is not None for c in calls)  # malformed: not given to the agent
+        message = _assistant_message(text, [c for c in calls if c.error is None], len(self.messages))
+        finish = "length" if generation.finish_reason == "length" else "tool_calls" if message.tool_calls else "stop"
+        self.messages = (*request.messages, message)
+        if room:  # (a turn that did not fit leaves the last answer the one the reward scores)
+            trajectory.response = text
+        return self._answer("chat.completion", {"index": 0, "message": _openai_message(message),
+                                                "finish_reason": finish, "logprobs": None}, generation)
 
-    async def complete(self, body: dict) -> dict:
-        prompt = body.get("prompt")
+    async def complete(self, request: CompletionRequest) -> dict:
+        prompt = request.prompt
         if isinstance(prompt, str):
-            token_ids = self.client.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
+            prompt = boundary.token_ids(self.client.tokenizer.encode(prompt, add_special_tokens=False), "prompt",
+                                        self.client.limits.vocab_size)
+        trajectory, room = self._trajectory, True
+        if trajectory is None:
+            trajectory = self._start(prompt)
         else:
-            raise RequestError("'prompt' must be a string or a list of token ids (one prompt)")
-        if self._trajectory is None:
-            self._trajectory = Trajectory(token_ids)
-        else:
-            known = self._trajectory.token_ids
-            if token_ids[:len(known)] != known:
-                raise RequestError(f"the prompt does not begin with the session's {len(known)} tokens so far (pass "
+            known = trajectory.token_ids
+            if prompt[:len(known)] != known:
+                raise InvalidInput(f"the prompt does not begin with the session's {len(known)} tokens so far (pass "
                                    "token ids: text tokenized again may split differently)")
-            if len(token_ids) > len(known):
-                self._trajectory.add_observation(token_ids[len(known):])
-        generation = await self.client.sample(self._trajectory, **self._limits(body))
+            if len(prompt) > len(known):
+                room = self.client.observe(trajectory, prompt[len(known):])
+        generation = await self.client.sample(trajectory, **_max_tokens(request.max_tokens))
         text = self._decode(generation.token_ids)
-        self._trajectory.response = text
+        if room:
+            trajectory.response = text
         return self._answer("text_completion", {"index": 0, "text": text, "finish_reason": generation.finish_reason,
                                                 "logprobs": None}, generation)
 
-    def _limits(self, body: dict) -> dict:
-        if body.get("n", 1) != 1:
-            raise RequestError("'n' must be 1: each sample of a group is a session of its own")
-        if body.get("stream"):
-            raise RequestError("'stream' is not supported: each call answers whole")
-        if body.get("stop"):
-            raise RequestError("'stop' strings are not supported: the run's stop tokens end a turn")
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        if limit is None:
-            return {}
-        if not isinstance(limit, int) or limit < 1:
-            raise RequestError(f"'max_tokens' must be a positive integer, got {limit!r}")
-        return {"max_new_tokens": limit}
+    def _start(self, prompt: list[int]) -> Trajectory:
+        """The session's trajectory, from its first call's prompt, which must leave room for an answer."""
+        limit = self.client.limits.max_context
+        if len(prompt) >= limit:
+            raise InvalidInput(f"the prompt has {len(prompt)} tokens: no room for an answer within --seq-length "
+                               f"{limit}")
+        self._trajectory = Trajectory(prompt)
+        return self._trajectory
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.client.tokenizer.decode([t for t in token_ids if t not in self.turns.end_of_turn_ids])
@@ -174,6 +143,37 @@ class OpenAISession:
                           "total_tokens": prompt + len(generation.token_ids)}}
 
 
+def _rendered(render, messages: list[dict], *args) -> list[int]:
+    """`render(messages, ...)`: the chat template's tokens; a template that cannot render them refuses the request
+    (it may raise anything: a `raise_exception` of the template, a type error on an odd field)."""
+    try:
+        return render(messages, *args)
+    except Exception as e:  # noqa: BLE001 - the request's content, not the endpoint, made the template fail
+        raise InvalidInput(f"the chat template cannot render the messages: {type(e).__name__}: {e}") from None
+
+
+def _max_tokens(limit: int | None) -> dict:
+    return {} if limit is None else {"max_new_tokens": limit}
+
+
+def _assistant_message(text: str, calls: list, turn: int) -> Message:
+    """One policy turn as an OpenAI assistant message: its well-formed tool calls parsed out of the text."""
+    if not calls:
+        return Message("assistant", text)
+    return Message("assistant", TOOL_CALL_BLOCK.sub("", text).strip() or None,
+                   tuple(ToolCallMessage(f"call_{turn}_{k}", c.name, c.arguments) for k, c in enumerate(calls)))
+
+
+def _openai_message(message: Message) -> dict:
+    """An answer's message as OpenAI returns it (a tool call's arguments as a JSON string)."""
+    out: dict = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                             for c in message.tool_calls]
+    return out
+
+
 class OpenAIEndpoint:
     """The generator leader's endpoint: started on the agent loop by the first session, stopped with the loop."""
 
@@ -182,7 +182,7 @@ class OpenAIEndpoint:
         self.api_key = secrets.token_urlsafe(24)
         self.sessions: dict[str, OpenAISession] = {}
         self._turns: ToolTurns | None = None
-        self._runner: web.AppRunner | None = None
+        self._runner = None  # aiohttp's AppRunner
         self.port: int | None = None
 
     async def open(self, client) -> OpenAISession:
@@ -203,7 +203,18 @@ class OpenAIEndpoint:
             self._runner = None
 
     async def _start(self) -> None:
-        app = web.Application(middlewares=[self._authorized])
+        from aiohttp import web  # only runs with an endpoint need aiohttp
+
+        @web.middleware
+        async def authorized(request, handler):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {self.api_key}".encode()):
+                return _error(401, "a valid API key is needed (Authorization: Bearer <the session's api_key>)")
+            if request.match_info.get("sid") not in self.sessions:
+                return _error(404, "no such session (it ended with its rollout program)")
+            return await handler(request)
+
+        app = web.Application(middlewares=[authorized], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._handle)
         app.router.add_post("/sessions/{sid}/v1/completions", self._handle)
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
@@ -213,41 +224,43 @@ class OpenAIEndpoint:
         await site.start()
         self._runner, self.port = runner, runner.addresses[0][1]
 
-    @web.middleware
-    async def _authorized(self, request, handler):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            return _error(401, "a valid API key is needed (Authorization: Bearer <the session's api_key>)")
-        if request.match_info.get("sid") not in self.sessions:
-            return _error(404, "no such session (it ended with its rollout program)")
-        return await handler(request)
-
     async def _models(self, request):
+        from aiohttp import web
+
         return web.json_response({"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
                                                               "owned_by": "megatron-rl"}]})
 
     async def _handle(self, request):
+        """Every request the session cannot take is refused with 400 and fails the session (its trajectory is
+        then excluded); 503: the environment (the engine) failed."""
+        from aiohttp import web
+
         session = self.sessions[request.match_info["sid"]]
         try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return _error(400, "the request body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            session.error = session.error or InvalidInput(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            return _error(413, str(session.error))
         async with session._lock:
             try:
                 if session.error is not None:
-                    raise RequestError(f"the session failed earlier: {session.error}")
-                chat = request.path.endswith("/chat/completions")
-                return web.json_response(await (session.chat(body) if chat else session.complete(body)))
-            except (RequestError, ValueError) as e:  # ValueError: a conversation the template cannot extend
-                session.error = session.error or str(e)
+                    raise InvalidInput(f"the session failed earlier: {session.error}")
+                body = openai_requests.body(raw)
+                if request.path.endswith("/chat/completions"):
+                    answer = await session.chat(openai_requests.chat(body))
+                else:
+                    answer = await session.complete(openai_requests.completion(body, session.client.limits.vocab_size))
+                return web.json_response(answer)
+            except InvalidInput as e:
+                session.error = session.error or e
                 return _error(400, str(e))
             except EnvironmentFailure as e:
-                session.error = session.error or str(e)
+                session.error = session.error or e
                 return _error(503, str(e))
 
 
 def _error(status: int, message: str):
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}},
-                             status=status)
+    from aiohttp import web
+
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)

@@ -14,6 +14,20 @@ import dataclasses
 
 from megatron_rl.rollout.types import NOT_SAMPLED, RolloutOutput
 
+# Why a trajectory is excluded: the environment failed (`EnvironmentFailure`: a sandbox, a tool server, the engine),
+# the program or its agent broke the contract (`boundary.InvalidInput`, an HTTP 400 of the OpenAI endpoint), the
+# program raised anything else, or it ran past --rollout-program-timeout.
+FAILURE_KINDS = ("environment", "invalid-input", "program-error", "timeout")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentFailure:
+    """Why a trajectory cannot be trained on: `kind` (one of FAILURE_KINDS, counted per step) and `reason` (the
+    message, in the ledger and eval.json)."""
+
+    kind: str
+    reason: str
+
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
@@ -74,14 +88,14 @@ class Trajectory:
         """Policy calls (assistant turns)."""
         return sum(s.is_policy for s in self.segments)
 
-    def summary(self, environment_failure: str | None = None) -> dict:
+    def summary(self, failure: AgentFailure | None = None) -> dict:
         """What travels with the rollout (`RolloutOutput.trajectory`) to the reward stage, the metrics and the
-        ledger."""
+        ledger: `environment_failure` is the reason it is excluded (None: it is not), `failure_kind` its kind."""
         return {"reward": self.reward, "response": self.response, "metadata": self.metadata, "turns": self.turns,
                 "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
-                "environment_failure": environment_failure}
+                "environment_failure": failure and failure.reason, "failure_kind": failure and failure.kind}
 
-    def to_output(self, request_id: str, environment_failure: str | None = None) -> RolloutOutput:
+    def to_output(self, request_id: str, failure: AgentFailure | None = None) -> RolloutOutput:
         tokens, logprobs, versions, mask = [], [], [], []
         for s in self.segments:
             tokens += s.token_ids
@@ -91,4 +105,4 @@ class Trajectory:
         policy = [s for s in self.segments if s.is_policy]
         finish = self.finish_reason or (policy[-1].finish_reason if policy else "stop")
         return RolloutOutput(request_id, list(self.prompt_token_ids), tokens, logprobs, versions, finish,
-                             self.num_retractions, loss_mask=mask, trajectory=self.summary(environment_failure))
+                             self.num_retractions, loss_mask=mask, trajectory=self.summary(failure))
