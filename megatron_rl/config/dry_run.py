@@ -115,7 +115,7 @@ def _sglang_memory(setup) -> dict:
     """Replica 0's server memory on an 80 GB GPU (a launch plans with its GPUs' own size)."""
     import dataclasses
 
-    from megatron_rl.rollout.sglang import replica_memory
+    from megatron_rl.rollout import replica_memory
 
     memory = replica_memory(setup, 0, int(GPUS["A100/H100 80GB"] * 2**30))
     return {**dataclasses.asdict(memory), "describe": memory.describe()}

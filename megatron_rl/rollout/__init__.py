@@ -19,6 +19,7 @@ from megatron_rl.rollout import local, sglang
 from megatron_rl.rollout.agent import ROLLOUT_FUNCTIONS, rollout_program, uses_agents
 from megatron_rl.rollout.local.engine import LocalEngine
 from megatron_rl.rollout.sglang import arguments as sglang_arguments
+from megatron_rl.rollout.sglang import replica_memory
 from megatron_rl.rollout.sglang.arguments import collect_server_flags
 from megatron_rl.rollout.types import LOGPROB_CONVENTION, RolloutOutput, SamplingParams
 
@@ -87,7 +88,8 @@ class Backend:
 
 
 __all__ = ["ENGINE_BACKENDS", "LOGPROB_CONVENTION", "ROLLOUT_FUNCTIONS", "Backend", "Engine", "LocalEngine",
-           "RolloutOutput", "SamplingParams", "collect_server_flags", "rollout_program", "uses_agents"]
+           "RolloutOutput", "SamplingParams", "collect_server_flags", "replica_memory", "rollout_program",
+           "uses_agents"]
 
 
 ENGINE_BACKENDS: dict[str, Backend] = {
