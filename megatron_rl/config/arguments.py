@@ -22,6 +22,9 @@ from megatron_rl.rewards.verdicts import DEFAULT_TEMPLATE, DEFAULT_VERDICT
 from megatron_rl.rollout import ENGINE_BACKENDS, ROLLOUT_FUNCTIONS, collect_server_flags
 from megatron_rl.runtime.early_exit import SIGNALS
 
+# megatron_rl.tools.sandbox.SANDBOXES, named here so that the flags never import the tools (a test keeps them equal)
+PYTHON_SANDBOXES = ("bwrap", "weak")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -264,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall-clock limit of one rollout program (one trajectory, its policy calls and tools "
                         "included); past it the sample is excluded with the reason. Must be below "
                         "--generator-timeout")
+    g.add_argument("--python-sandbox", choices=PYTHON_SANDBOXES, default="bwrap",
+                   help="what contains the python tool's code: bwrap, an OS sandbox from bubblewrap (Linux "
+                        "namespaces; the run refuses to start without a working bwrap); weak, a process that "
+                        "contains itself (seccomp, rlimits, a Python audit hook): no boundary against hostile code, "
+                        "for machines without user namespaces only (docs/agents.md)")
     g.add_argument("--max-consecutive-environment-failures", type=int, default=64,
                    help="stop the run when the environment (a tool's sandbox or server, the rollout program) fails "
                         "on this many trajectories in a row; isolated failures are excluded and counted")

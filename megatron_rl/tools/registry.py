@@ -13,7 +13,6 @@ before the call: a call that does not fit is a tool error the policy reads, as i
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import json
 
@@ -21,8 +20,8 @@ from megatron_rl.runtime import plugins
 from megatron_rl.tools import calculator, sandbox
 from megatron_rl.tools.types import EnvironmentFailure, ToolCall, ToolResult
 
-BUILT_IN = {"calculator": (calculator.SCHEMA, lambda limits: calculator.calculator),
-            "python": (sandbox.SCHEMA, lambda limits: functools.partial(sandbox.run_python, limits=limits))}
+BUILT_IN = {"calculator": (calculator.SCHEMA, lambda limits, kind: calculator.calculator),
+            "python": (sandbox.SCHEMA, sandbox.python_tool)}
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -77,8 +76,11 @@ class _Tool:
 
 
 class ToolSet:
+    """The tools of a run, built once: a bad implementation fails here, and so does a Python sandbox that cannot
+    run on this machine (`SandboxUnavailable`, for --python-sandbox `python_sandbox`)."""
+
     def __init__(self, tools: list[dict], limits: sandbox.SandboxLimits = sandbox.SandboxLimits(),
-                 config_path: str = "--tool-config"):
+                 config_path: str = "--tool-config", python_sandbox: str = "bwrap"):
         import jsonschema
 
         self._tools = {}
@@ -88,7 +90,7 @@ class ToolSet:
                 fn = plugins.load(plugins.resolve(tool["implementation"], f"--tool-config {config_path!r} tool "
                                                                           f"{name!r}"), "--tool-config")
             else:
-                fn = BUILT_IN[name][1](limits)
+                fn = BUILT_IN[name][1](limits, python_sandbox)
             parameters = tool["function"].get("parameters", NO_PARAMETERS)
             self._tools[name] = _Tool(tool, jsonschema.Draft202012Validator(parameters), fn)
 

@@ -58,5 +58,6 @@ def rollout_program(args, tokenizer, stop_token_ids) -> Program | None:
 
     tools = load_tool_config(args.tool_config) if args.tool_config else built_in_tools(["calculator", "python"])
     limits = SandboxLimits(args.tool_timeout, args.sandbox_memory_mb)
-    return MultiTurn(ToolSet(tools, limits, args.tool_config or "built-in"), ToolTurns(tokenizer, stop_token_ids),
+    tool_set = ToolSet(tools, limits, args.tool_config or "built-in", args.python_sandbox)
+    return MultiTurn(tool_set, ToolTurns(tokenizer, stop_token_ids),
                      args.max_turns, args.max_tokens_per_turn, args.max_observation_len, args.system_prompt)
