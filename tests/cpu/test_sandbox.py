@@ -24,8 +24,16 @@ import sys
 import pytest
 from helpers import ROOT
 
-from megatron_rl.config.arguments import build_parser
-from megatron_rl.tools import EnvironmentFailure, SandboxLimits, SandboxUnavailable, ToolSet, built_in_tools, run_python
+from megatron_rl.config.arguments import PYTHON_SANDBOXES, build_parser
+from megatron_rl.tools import (
+    SANDBOXES,
+    EnvironmentFailure,
+    SandboxLimits,
+    SandboxUnavailable,
+    ToolSet,
+    built_in_tools,
+    run_python,
+)
 from megatron_rl.tools.sandbox import bwrap
 from megatron_rl.tools.sandbox.harness import ARCHITECTURES, REFUSED_SYSCALLS
 from megatron_rl.tools.sandbox.process import run_contained
@@ -393,5 +401,6 @@ def test_with_user_namespaces_blocked_the_tool_refuses_naming_the_kernel_setting
 
 
 def test_the_flag_takes_the_sandboxes_by_name():
+    assert PYTHON_SANDBOXES == SANDBOXES
     assert build_parser().parse_args(["--python-sandbox", "weak"]).python_sandbox == "weak"
     assert build_parser().parse_args([]).python_sandbox == "bwrap"
