@@ -2,13 +2,17 @@
 """Held-out accuracy of an HF checkpoint (for instance a policy a run exported) with `transformers` alone.
 
     python tools/eval_hf.py --hf-dir HF --eval-prompt-data eval.jsonl [--apply-chat-template] [--system-prompt S]
-        [--max-new-tokens 16] [--compare-eval-json RUN/eval.json --eval-set NAME]
+        [--max-new-tokens 16] [--batch-size 32] [--compare-eval-json RUN/eval.json --eval-set NAME]
 
 Each prompt is encoded exactly as a run encodes it (the same keys, chat template and system prompt), answered
 greedily by `AutoModelForCausalLM.generate` until any EOS id of the checkpoint, and scored by the run's reward
-options (--reward-fn, --custom-rm-path, --reward-timeout). With --compare-eval-json it also prints the run's own
-final accuracy on that set and exits 1 if they differ: meaningful for a run that evaluated greedily (the default
---eval-temperature 0) with one sample per prompt.
+options (--reward-fn, --custom-rm-path, --reward-timeout).
+
+Prompts are answered --batch-size at a time (sorted by length, left-padded): a padded batch runs other matmul shapes
+than one prompt alone, so a near-tie between two tokens can break the other way and an answer differ (rarely: float
+summation order, not a different model). --compare-eval-json is the exact check, so it answers one prompt at a time,
+as the run's engine does: it prints the run's own final accuracy on that set and exits 1 if they differ
+(meaningful for a run that evaluated greedily, the default --eval-temperature 0, with one sample per prompt).
 """
 
 import argparse
@@ -29,9 +33,15 @@ def main(argv=None) -> int:
     p.add_argument("--apply-chat-template", action="store_true")
     p.add_argument("--system-prompt")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--compare-eval-json", metavar="PATH", help="a run's eval.json to compare with")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts answered together (1 with --compare-eval-json)")
+    p.add_argument("--compare-eval-json", metavar="PATH", help="a run's eval.json to compare with (exact: one "
+                   "prompt at a time)")
     p.add_argument("--eval-set", help="the set's name in --compare-eval-json")
     args = p.parse_args(argv)
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.compare_eval_json:
+        args.batch_size = 1
 
     import torch
     from tqdm import tqdm
@@ -49,19 +59,28 @@ def main(argv=None) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     dataset = PromptDataset(args.eval_prompt_data, shuffle=False,
                             fields=RecordFields(args.input_key, args.label_key, args.metadata_key))
-    samples = []
-    for index in tqdm(range(len(dataset)), desc="generate", dynamic_ncols=True):
-        record = dataset.record(index)
-        ids = encode_prompt(tokenizer, record["prompt"], args.apply_chat_template, args.system_prompt)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stops,
-                                 pad_token_id=pad)
-        response = [t for t in out[0, len(ids):].tolist() if t not in stops]
-        finish = "stop" if len(response) < out.shape[1] - len(ids) else "length"
-        samples.append(RewardSample(prompt=tokenizer.decode(ids, skip_special_tokens=True),
-                                    response=tokenizer.decode(response), label=record["answer"],
-                                    metadata=record["metadata"], finish_reason=finish))
+    records = [dataset.record(i) for i in range(len(dataset))]
+    prompts = [encode_prompt(tokenizer, r["prompt"], args.apply_chat_template, args.system_prompt) for r in records]
+    responses: list = [None] * len(records)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    with tqdm(total=len(prompts), desc="generate", unit="problem", dynamic_ncols=True) as bar:
+        for start in range(0, len(order), args.batch_size):
+            batch = order[start:start + args.batch_size]
+            width = max(len(prompts[i]) for i in batch)
+            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch])
+            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch])
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                                     do_sample=False, eos_token_id=stops, pad_token_id=pad)
+            for row, i in enumerate(batch):
+                new = out[row, width:].tolist()
+                end = next((k for k, t in enumerate(new) if t in stops), None)
+                responses[i] = (new[:end], "stop" if end is not None else "length")
+            bar.update(len(batch))
+    samples = [RewardSample(prompt=tokenizer.decode(ids, skip_special_tokens=True),
+                            response=tokenizer.decode(response), label=record["answer"], metadata=record["metadata"],
+                            finish_reason=finish)
+               for ids, (response, finish), record in zip(prompts, responses, records)]
     scorer = build_reward_fn(args.reward_fn, 1, args.reward_timeout, args.custom_rm_path)
     try:
         results = scorer(samples)

