@@ -43,7 +43,7 @@ TRAINING_ARGS=(
 DATA_ARGS=(
     --prompt-data "$DATA/train.jsonl" --input-key messages --label-key answer
     --apply-chat-template --system-prompt "$SYSTEM_PROMPT"
-    --eval-prompt-data heldout "$DATA/eval.jsonl" --eval-interval 10
+    --eval-prompt-data heldout "$DATA/eval.jsonl" --eval-interval 5
 )
 RL_ARGS=(
     --loss aipo --aipo-rho 4 --async-mode on --max-staleness 1 --n-samples-per-prompt 8

@@ -44,12 +44,12 @@ def main(argv=None) -> int:
         args.batch_size = 1
 
     import torch
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_rl.data.dataset import PromptDataset
     from megatron_rl.data.prompts import encode_prompt, stop_token_ids
     from megatron_rl.data.records import RecordFields
+    from megatron_rl.models.hf import greedy_responses
     from megatron_rl.rewards import build_reward_fn
     from megatron_rl.rewards.types import RewardSample
 
@@ -61,22 +61,7 @@ def main(argv=None) -> int:
                             fields=RecordFields(args.input_key, args.label_key, args.metadata_key))
     records = [dataset.record(i) for i in range(len(dataset))]
     prompts = [encode_prompt(tokenizer, r["prompt"], args.apply_chat_template, args.system_prompt) for r in records]
-    responses: list = [None] * len(records)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    with tqdm(total=len(prompts), desc="generate", unit="problem", dynamic_ncols=True) as bar:
-        for start in range(0, len(order), args.batch_size):
-            batch = order[start:start + args.batch_size]
-            width = max(len(prompts[i]) for i in batch)
-            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch])
-            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch])
-            with torch.no_grad():
-                out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
-                                     do_sample=False, eos_token_id=stops, pad_token_id=pad)
-            for row, i in enumerate(batch):
-                new = out[row, width:].tolist()
-                end = next((k for k, t in enumerate(new) if t in stops), None)
-                responses[i] = (new[:end], "stop" if end is not None else "length")
-            bar.update(len(batch))
+    responses = greedy_responses(model, prompts, args.max_new_tokens, stops, pad, args.batch_size, progress=True)
     samples = [RewardSample(prompt=tokenizer.decode(ids, skip_special_tokens=True),
                             response=tokenizer.decode(response), label=record["answer"], metadata=record["metadata"],
                             finish_reason=finish)

@@ -1,6 +1,6 @@
-"""python -m megatron_rl.bench {async,ddma,engine,trainer,packing,reward,r3,fp8,all} [--quick]: one JSON object per
-benchmark, and as the last line one object with all of them (`all` runs every benchmark but fp8 and gpu, which need
-a GPU).
+"""python -m megatron_rl.bench {async,ddma,engine,trainer,packing,reward,r3,fp8,gpu,trl,all} [--quick]: one JSON object
+per benchmark, and as the last line one object with all of them (`all` runs every benchmark but fp8 and gpu, which
+need a GPU, and trl, the head-to-head with TRL on a real model: up to an hour, --quick 15 minutes).
 
 python -m megatron_rl.bench ablation [--quick] [flags] [-- train flags]: the off-policy correction vs lag ablation, with
 flags of its own (`python -m megatron_rl.bench ablation -h`); hours for the full grid, so not part of `all`.
@@ -17,6 +17,7 @@ import time
 
 BENCHMARKS = ("async", "ddma", "engine", "trainer", "packing", "reward", "r3")
 GPU_ONLY = ("fp8", "gpu")
+HEAD_TO_HEAD = ("trl",)  # against another system, on a real model: long, so not part of `all`
 STUDIES = {"ablation": "megatron_rl.bench.ablation.study", "soak": "megatron_rl.bench.soak"}  # many trainings each
 
 
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
             return importlib.import_module(STUDIES[study]).main(argv)
     parser = argparse.ArgumentParser(prog="python -m megatron_rl.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=BENCHMARKS + GPU_ONLY + tuple(STUDIES) + ("all",))
+    parser.add_argument("which", choices=BENCHMARKS + GPU_ONLY + HEAD_TO_HEAD + tuple(STUDIES) + ("all",))
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a run of a few minutes")
     parser.add_argument("--results-file", default=os.environ.get("BENCH_RESULTS", "bench_results.jsonl"),
                         help="each result is also appended here as one JSON line")

@@ -17,6 +17,7 @@ def child_env(out_dir: str) -> dict:
 
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "OUTPUT_DIR": out_dir, "GPUS_PER_NODE": "2", "NNODES": "1", "NODE_RANK": "0",
+            "PYTHON": sys.executable,
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "COMPARE_SYNC": "0", "OMP_NUM_THREADS": "1",
             "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
             "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
