@@ -22,6 +22,7 @@ channels; `train.run` builds it beside the executors, so it owns none of them (t
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import time
@@ -85,6 +86,7 @@ class Controller:
                           "top_p": args.rollout_top_p, "max_new_tokens": args.rollout_max_response_len,
                           "stop_token_ids": self.stop_token_ids}
         self.inflight: dict[str, dict] = {}  # RL prompts dispatched whose group has not left the buffer, by id
+        self.signal_rate = 1.0  # recent steps' fraction of the groups taken from the buffer that had signal
         self.dispatch_versions: dict[str, int] = {}  # the weight version each of them was dispatched under
         self.held: deque[HeldBatch] = deque()  # --controlled-lag: collected batches waiting to be trained
         self.dispatched: Counter = Counter()  # prompt id -> times dispatched (each prompt exactly once)
@@ -153,11 +155,17 @@ class Controller:
     def in_flight_target(self, taken: int, ahead: bool) -> int:
         """RL prompts to keep in flight once a step has taken `taken` groups: the rest of its own and, when it
         dispatches ahead, the next step's (--staleness-control admission: as many steps' as --max-staleness lets
-        every one of them be trained within that many versions of the weights it was dispatched under)."""
+        every one of them be trained within that many versions of the weights it was dispatched under). Dispatching
+        ahead under --staleness-control discard, it keeps as many more as dynamic sampling will drop (the recent
+        fraction of groups with signal says how many): the generator then makes the replacements while the trainer
+        trains, instead of the step waiting for them."""
         steps = 1
         if ahead:
             steps += self.args.max_staleness if self.args.staleness_control == "admission" else 1
-        return steps * self.prompts_per_step - taken
+        needed = steps * self.prompts_per_step - taken
+        if ahead and self.args.staleness_control == "discard":
+            return math.ceil(needed / self.signal_rate)
+        return needed
 
     def due(self) -> list[str]:
         """--staleness-control admission: the prompts in flight (in dispatch order) that would be more than
@@ -216,7 +224,7 @@ class Controller:
                 "buffer": self.buffer.state_dict(), "inflight": self.inflight, "dispatched": dict(self.dispatched),
                 "skipped_steps": self.skipped_steps, "reward_failures": dict(self.reward_failures.counts),
                 "eval_history": self.eval_history, "controlled_lag": self.args.controlled_lag,
-                "dispatch_versions": self.dispatch_versions,
+                "dispatch_versions": self.dispatch_versions, "signal_rate": self.signal_rate,
                 "held_batches": [b.to_dict() for b in self.held]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -225,6 +233,7 @@ class Controller:
         self.buffer.load_state_dict(state["buffer"])
         self.inflight, self.dispatched = state["inflight"], Counter(state["dispatched"])
         self.dispatch_versions = state.get("dispatch_versions", {})  # absent in checkpoints before admission
+        self.signal_rate = state.get("signal_rate", 1.0)  # absent in checkpoints before it was kept
         self.skipped_steps, self.reward_failures.counts = state["skipped_steps"], Counter(state["reward_failures"])
         self.eval_history = state.get("eval_history", [])  # absent in checkpoints of runs without evaluations
         self.held = deque(HeldBatch.from_dict(b) for b in state.get("held_batches", []))
@@ -325,6 +334,8 @@ class Controller:
             seen["sampled_rewards"] += batch.sampled_rewards
             seen["ages"] += [batch.age_seconds_mean] * len(batch.groups)
             seen["outcomes"] += batch.outcomes
+        if popped:  # what dispatching ahead should expect of the next steps (at least 1 in --max-oversample)
+            self.signal_rate = (self.signal_rate + max(len(groups) / popped, 1 / self.args.max_oversample)) / 2
         return groups, seen
 
     def collect_held(self, step: int, times: StepTimes) -> tuple[list, dict]:
